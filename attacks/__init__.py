@@ -1,0 +1,1 @@
+"""Attacks that read captured artifacts (representation inversion, gradient leakage) and their metrics."""

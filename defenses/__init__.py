@@ -1,0 +1,1 @@
+"""Transforms applied by the channel to outgoing messages (noise, clipping, pruning, quantisation)."""

@@ -1,0 +1,1 @@
+"""privfl: federated-learning training with exact capture of every transmitted artifact."""
