@@ -1,0 +1,112 @@
+"""The single channel every exchange of every method goes through.
+
+Order on ``send``: mods (defenses) transform the outgoing message, then the capture records exactly
+what left, then the receiver gets its own copy. Capture therefore sits outermost, as Flower's
+``message_size_mod`` does, and a receiver can never alias the sender's tensors.
+
+The channel is also the only place that sees both a message and the samples behind it: the sender
+passes ``truth=`` (sample ids, weights) and the channel files it in the ground-truth store under the
+message's sequence number, apart from the capture.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from privfl.capture.message import Message
+from privfl.capture.store import TensorStore
+
+Mod = Callable[[Message], Message]
+
+
+class Channel:
+    def __init__(
+        self,
+        capture: TensorStore | None = None,
+        truth: TensorStore | None = None,
+        mods: Sequence[Mod] = (),
+    ):
+        self.capture = capture
+        self.truth = truth
+        self.mods = list(mods)
+        self._seq = len(capture.records(strict=False)) if capture is not None else 0
+        self._round_records: list[dict[str, Any]] = []
+
+    def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
+        """Transmit ``msg``; returns the receiver's copy (after mods)."""
+        for mod in self.mods:
+            msg = mod(msg)
+        record = {
+            "round": msg.round,
+            "sender": msg.sender,
+            "receiver": msg.receiver,
+            "direction": msg.direction,
+            "kind": msg.kind,
+            "scalars": msg.scalars,
+            "paper_scalars": msg.paper_scalars,
+            "bytes": msg.nbytes,
+            "aux": list(msg.aux),
+            "meta": msg.meta,
+        }
+        if self.capture is not None:
+            record = self.capture.append(record, msg.tensors)
+        else:
+            record = {"seq": self._seq, **record}
+        self._seq = record["seq"] + 1
+        if truth is not None and self.truth is not None:
+            self.truth.append(
+                {"message_seq": record["seq"], "round": msg.round, "client": msg.sender, "kind": msg.kind},
+                truth,
+            )
+        self._round_records.append(record)
+        return self._deliver(msg)
+
+    def broadcast(
+        self,
+        round: int,
+        receivers: Iterable[str],
+        kind: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        sender: str = "server",
+        meta: dict[str, Any] | None = None,
+        aux: tuple[str, ...] = (),
+    ) -> dict[str, Message]:
+        """One message per receiver (each counted, as the papers count broadcast per client)."""
+        return {
+            r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers
+        }
+
+    @staticmethod
+    def _deliver(msg: Message) -> Message:
+        copies = {k: v.detach().clone() for k, v in msg.tensors.items()}
+        return Message(msg.round, msg.sender, msg.receiver, msg.kind, copies, dict(msg.meta), msg.aux)
+
+    def end_round(self) -> list[dict[str, Any]]:
+        """Records of this round's messages; makes the capture durable."""
+        for store in (self.capture, self.truth):
+            if store is not None:
+                store.flush()
+        records, self._round_records = self._round_records, []
+        return records
+
+
+def summarize_comm(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Totals per direction (``up``/``down``/``peer``) and per ``direction:kind``.
+
+    ``paper_scalars`` leaves out labels/class ids (``aux`` tensors), as the papers count; ``scalars``
+    and ``bytes`` are everything that was sent.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"messages": 0, "scalars": 0, "paper_scalars": 0, "bytes": 0})
+    for rec in records:
+        for key in (rec["direction"], f"{rec['direction']}:{rec['kind']}"):
+            slot = out[key]
+            slot["messages"] += 1
+            slot["scalars"] += rec["scalars"]
+            slot["paper_scalars"] += rec["paper_scalars"]
+            slot["bytes"] += rec["bytes"]
+    return {k: dict(v) for k, v in sorted(out.items())}

@@ -1,0 +1,340 @@
+"""The in-process engine: star topology, rounds, partial participation, evaluation, checkpoints.
+
+One process, models kept in memory on the chosen device, data resident as uint8. Every random draw
+is derived from (seed, purpose, round, client) (see :mod:`privfl.seeding`), so ``--resume`` after a
+kill repeats the remaining rounds exactly: same metrics, same capture.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from privfl.capture.store import TensorStore, atomic_write_text
+from privfl.channel import Channel, summarize_comm
+from privfl.config import TrainConfig, save_config
+from privfl.errors import ConfigError
+from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, resolve_method
+from privfl.runs import mark_latest
+from privfl.seeding import numpy_rng, seed_global
+
+THREAT_MODELS = {
+    "extractor": "honest-but-curious server with white-box access to each client's extractor incl. RM "
+    "(FedRE [000] Sec. 3 threat model)",
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name} requested but no CUDA GPU is available (use --device auto or cpu)")
+    return device
+
+
+class _Fault:
+    """Test hook: ``PRIVFL_FAULT=ROUND:MESSAGES`` kills the process (``os._exit``, no cleanup) after
+    MESSAGES messages of round ROUND, to test that a killed run resumes exactly."""
+
+    def __init__(self, channel: Channel):
+        spec = os.environ.get("PRIVFL_FAULT")
+        self.at = tuple(int(v) for v in spec.split(":")) if spec else None
+        self.count = 0
+        self.rnd = -1
+        if self.at:
+            original = channel.send
+
+            def send(msg, *, truth=None):
+                out = original(msg, truth=truth)
+                self.count = self.count + 1 if msg.round == self.rnd else 1
+                self.rnd = msg.round
+                if (msg.round, self.count) == self.at:
+                    os._exit(137)
+                return out
+
+            channel.send = send  # type: ignore[method-assign]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False):
+        from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
+        from privfl.data.partition import ClientSplit
+        from privfl.models import assign_archs, build_model
+
+        self.cfg, self.run_dir = cfg, run_dir
+        self.method_cls = resolve_method(cfg.method)
+        self.device = resolve_device(cfg.device)
+        if not 0 < cfg.join_ratio <= 1:
+            raise ConfigError(f"--join-ratio must be in (0, 1], got {cfg.join_ratio}")
+        if cfg.rounds < 1 or cfg.num_clients < 1:
+            raise ConfigError("--rounds and --num-clients must be at least 1")
+        archs = assign_archs(cfg.model_group, cfg.num_clients)  # checks the group name early
+
+        dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
+        self.dataset = dataset
+        images, labels = dataset.images, dataset.labels
+        subset = None
+        if cfg.subsample is not None and cfg.subsample < len(labels):
+            subset = np.sort(numpy_rng(cfg.seed, "subsample").permutation(len(labels))[: cfg.subsample])
+            images, labels = images[subset], labels[subset]
+        self.labels = labels
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        truth_dir = run_dir / "truth"
+        if resume:
+            split = ClientSplit.from_tensors(load_file(str(truth_dir / "partition.safetensors")))
+        else:
+            parts = partition_indices(
+                labels.numpy(), cfg.num_clients, cfg.partition, cfg.seed, alpha=cfg.alpha,
+                classes_per_client=cfg.classes_per_client, imbalance_factor=cfg.imbalance_factor,
+                min_samples=cfg.min_samples, balanced=cfg.balanced,
+            )
+            split = split_train_test(parts, cfg.train_fraction, cfg.seed)
+        self.split = split
+
+        # the three stores, kept apart (DESIGN.md): messages / attacker knowledge / ground truth
+        self.capture = TensorStore(run_dir / "capture", "capture", create=True) if cfg.capture else None
+        self.knowledge_store = TensorStore(run_dir / "knowledge", "knowledge", create=True) if cfg.capture else None
+        self.truth = TensorStore(truth_dir, "truth", create=True) if cfg.capture else None
+        truth_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            tensors = split.to_tensors()
+            if subset is not None:
+                tensors["subset"] = torch.from_numpy(subset)
+            save_file(tensors, str(truth_dir / "partition.safetensors"))
+            counts = split.counts(labels.numpy(), dataset.num_classes)
+            atomic_write_text(run_dir / "partition.json", json.dumps({
+                "scheme": cfg.partition, "counts": counts.tolist(), "class_names": list(dataset.class_names),
+                "train_sizes": [len(t) for t in split.train], "test_sizes": [len(t) for t in split.test],
+            }) + "\n")
+            plot_partition(counts, run_dir / "partition.png", class_names=list(dataset.class_names),
+                           title=f"{cfg.dataset}: {cfg.partition} partition, {cfg.num_clients} clients")
+
+        self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
+        clients = []
+        for k, arch in enumerate(archs):
+            seed_global(cfg.seed, "init", k)
+            model = build_model(arch, in_channels=dataset.channels, num_classes=dataset.num_classes,
+                                image_size=dataset.image_size, rep_dim=cfg.rep_dim, mapping=cfg.mapping).to(self.device)
+            clients.append(Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device),
+                                  torch.as_tensor(split.test[k], device=self.device)))
+        self.clients = clients
+        self.channel = Channel(self.capture, self.truth)
+        _Fault(self.channel)
+        self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
+        env = FLEnv(cfg, self.method_cls.Options(**cfg.options), clients, self.data, dataset.num_classes,
+                    self.device, self.channel, self.knowledge)
+        self.method: FLMethod = self.method_cls(env)
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, rnd: int) -> None:
+        """Client models + method state as safetensors, then a JSON pointer; only the latest kept."""
+        ckpt = self.run_dir / "checkpoint"
+        ckpt.mkdir(exist_ok=True)
+        state = {}
+        for c in self.clients:
+            state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
+        state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
+        name = f"state-r{rnd:05d}.safetensors"
+        tmp = ckpt / f".{name}.tmp"
+        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, ckpt / name)
+        atomic_write_text(ckpt / "checkpoint.json", json.dumps({"round": rnd, "file": name, "history": self.history}) + "\n")
+        for old in ckpt.glob("state-r*.safetensors"):
+            if old.name != name:
+                old.unlink()
+
+    def load_checkpoint(self) -> None:
+        ckpt = self.run_dir / "checkpoint"
+        pointer = ckpt / "checkpoint.json"
+        if not pointer.is_file():
+            self.start_round = 0  # killed before the first round completed: start over
+            self._truncate_stores(-1)
+            return
+        info = json.loads(pointer.read_text())
+        state = load_file(str(ckpt / info["file"]), device=str(self.device))
+        for c in self.clients:
+            prefix = f"{c.name}."
+            c.model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
+        self.history = info["history"]
+        self.start_round = info["round"] + 1
+        self._truncate_stores(info["round"])
+
+    def _truncate_stores(self, last_round: int) -> None:
+        """Drop what a killed round wrote, so the resumed round writes it again, identically."""
+        capture_kept: set[int] = set()
+        if self.capture is not None:
+            self.capture.truncate(lambda r: r["round"] <= last_round)
+            capture_kept = {r["seq"] for r in self.capture.records()}
+            self.channel._seq = len(capture_kept)
+        if self.truth is not None:
+            self.truth.truncate(lambda r: r["message_seq"] in capture_kept)
+        if self.knowledge_store is not None:
+            self.knowledge_store.truncate(lambda r: r["round"] <= last_round)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Per-client test accuracy; the mean is sample-weighted (sum correct / sum test samples), the
+        std is across clients (HtFLlib's convention)."""
+        correct, totals = [], []
+        for c in self.clients:
+            c.model.eval()
+            hits = 0
+            for x, y in self.data.batches(c.test_idx, self.cfg.eval_batch_size):
+                hits += int((self.method.predict(c, x).argmax(1) == y).sum())
+            correct.append(hits)
+            totals.append(len(c.test_idx))
+        accs = np.array(correct) / np.maximum(np.array(totals), 1)
+        return {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
+
+    def select(self, rnd: int) -> list[Client]:
+        k = max(1, int(round(self.cfg.join_ratio * len(self.clients))))
+        if k == len(self.clients):
+            return list(self.clients)
+        chosen = np.sort(numpy_rng(self.cfg.seed, "select", rnd).choice(len(self.clients), k, replace=False))
+        return [self.clients[i] for i in chosen]
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        if self.start_round == 0:
+            self.method.setup()
+            setup_records = self.channel.end_round()
+        else:
+            setup_records = []
+        bar = tqdm(range(self.start_round, cfg.rounds), desc=cfg.method, unit="round", initial=self.start_round,
+                   total=cfg.rounds, disable=not cfg.progress, dynamic_ncols=True)
+        for rnd in bar:
+            t0 = time.perf_counter()
+            selected = self.select(rnd)
+            extra = self.method.run_round(rnd, selected)
+            records = setup_records + self.channel.end_round()
+            setup_records = []
+            ev = self.evaluate()
+            comm = summarize_comm(r for r in records if r.get("meta", {}).get("phase") != "setup")
+            entry = {
+                "round": rnd, "acc": ev["acc"], "acc_std": ev["acc_std"],
+                **{k: float(v) for k, v in extra.items()},
+                "selected": [c.index for c in selected],
+                "upload_scalars": comm.get("up", {}).get("paper_scalars", 0),
+                "upload_scalars_full": comm.get("up", {}).get("scalars", 0),
+                "upload_bytes": comm.get("up", {}).get("bytes", 0),
+                "broadcast_scalars": comm.get("down", {}).get("paper_scalars", 0),
+                "broadcast_scalars_full": comm.get("down", {}).get("scalars", 0),
+                "broadcast_bytes": comm.get("down", {}).get("bytes", 0),
+                "comm": comm,
+                "client_acc": ev["client_acc"],
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+            self.history.append(entry)
+            self.write_metrics()
+            self.save_checkpoint(rnd)
+            bar.set_postfix(acc=f"{ev['acc']:.4f}", loss=f"{extra.get('train_loss', float('nan')):.3f}")
+        bar.close()
+        return self.write_summary()
+
+    def write_metrics(self) -> None:
+        lines = "".join(json.dumps(h, sort_keys=True) + "\n" for h in self.history)
+        atomic_write_text(self.run_dir / "metrics.jsonl", lines)
+        cols = ["round", "acc", "acc_std", "train_loss", "server_loss", "upload_scalars", "upload_scalars_full",
+                "upload_bytes", "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "seconds"]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(self.history)
+        atomic_write_text(self.run_dir / "metrics.csv", buf.getvalue())
+
+    def write_summary(self) -> dict[str, Any]:
+        final = self.history[-1]
+        best = max(self.history, key=lambda h: h["acc"])
+        rounds = len(self.history)
+        summary = {
+            "method": self.cfg.method, "dataset": self.cfg.dataset, "clients": self.cfg.num_clients, "rounds": rounds,
+            "final_acc": final["acc"], "final_acc_std": final["acc_std"],
+            "best_acc": best["acc"], "best_acc_std": best["acc_std"], "best_round": best["round"],
+            "per_round": {k: sum(h[k] for h in self.history) / rounds for k in (
+                "upload_scalars", "upload_scalars_full", "upload_bytes",
+                "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes")},
+            "last_round_comm": final["comm"],
+            "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
+            "capture_bytes": dir_size(self.run_dir / "capture"),
+            "knowledge_bytes": dir_size(self.run_dir / "knowledge"),
+            "run_dir": str(self.run_dir),
+        }
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    name = cfg.run_name or f"{cfg.method.replace(':', '.')}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+    path = Path(cfg.out_dir) / name
+    if (path / "config.json").exists():
+        raise ConfigError(f"run directory {path} already exists (choose another --run-name, or --resume it)")
+    return path
+
+
+def write_run_info(trainer: Trainer) -> None:
+    """What crossed the wire and what an attacker may know, declared for attacks to check."""
+    m = trainer.method_cls
+    info = {
+        "method": trainer.cfg.method,
+        "paper": m.paper,
+        "sends": m.sends,
+        "knowledge": {
+            kind: {"rounds": "final" if trainer.cfg.knowledge_every == 0 else f"final and every {trainer.cfg.knowledge_every}",
+                   "threat_model": THREAT_MODELS[kind]}
+            for kind in m.exposes
+        } if trainer.cfg.capture else {},
+        "archs": [c.arch for c in trainer.clients],
+        "dataset": {"name": trainer.cfg.dataset, "num_classes": trainer.dataset.num_classes,
+                    "channels": trainer.dataset.channels, "image_size": trainer.dataset.image_size,
+                    "mean": list(trainer.dataset.mean), "std": list(trainer.dataset.std)},
+        "stores": {"capture": "capture/", "knowledge": "knowledge/", "ground_truth": "truth/"},
+    }
+    atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    run_dir = new_run_dir(cfg)
+    trainer = Trainer(cfg, run_dir)
+    save_config(cfg, run_dir)
+    write_run_info(trainer)
+    mark_latest(run_dir)
+    return trainer.run()
+
+
+def resume(run_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
+    trainer = Trainer(cfg, run_dir, resume=True)
+    trainer.load_checkpoint()
+    mark_latest(run_dir)
+    if trainer.start_round >= cfg.rounds:
+        return trainer.write_summary()
+    return trainer.run()
+
+
+__all__ = ["Trainer", "train", "resume", "resolve_device", "asdict"]

@@ -1,0 +1,243 @@
+"""What a federated method is to the engine, and the local-training helpers methods share.
+
+A method says what a client does in a round, what the server does, and which messages they exchange.
+Every exchange goes through ``env.channel``; a method that reads another party's state without a
+message has a bug. Register built-in methods with ``@METHODS.register("name")``; a user's own method
+is a subclass of :class:`FLMethod` given by import path (``package.module:Class``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from privfl.capture.message import Message
+from privfl.errors import ConfigError, UnknownNameError
+from privfl.registry import Registry
+from privfl.seeding import seed_global, torch_generator
+
+METHODS: Registry[type[FLMethod]] = Registry("method")
+
+
+@dataclass
+class NoOptions:
+    """This method has no options of its own."""
+
+
+class DataView:
+    """The whole dataset resident on the device as uint8, normalised batch by batch.
+
+    Keeping the data in memory and slicing index tensors is much faster than a DataLoader for
+    image sets of this size, and avoids per-round disk traffic.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, device: torch.device):
+        self.images = images.to(device)
+        self.labels = labels.to(device)
+        shape = (1, -1, 1, 1)
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(shape)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(shape)
+        self.device = device
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[idx].float().div_(255.0).sub_(self.mean).div_(self.std)
+        return x, self.labels[idx]
+
+    def batches(
+        self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches over ``idx``; shuffled when a generator is given. The last partial batch is kept
+        (a client with fewer samples than a batch still trains; HtFLlib drops it)."""
+        if generator is not None:
+            idx = idx[torch.randperm(len(idx), generator=generator).to(idx.device)]
+        for start in range(0, len(idx), batch_size):
+            yield self.batch(idx[start : start + batch_size])
+
+
+@dataclass
+class Client:
+    index: int
+    arch: str
+    model: Any  # privfl.models.SplitModel
+    train_idx: torch.Tensor
+    test_idx: torch.Tensor
+
+    @property
+    def name(self) -> str:
+        return f"client{self.index}"
+
+
+class KnowledgeRecorder:
+    """Files what the threat model grants the attacker (here: a client's extractor incl. RM, as it
+    was when it produced an artifact), apart from the capture. By default only for the final round;
+    ``every`` > 0 adds every N-th round (mind the size with large models)."""
+
+    def __init__(self, store, final_round: int, every: int = 0):
+        self.store, self.final_round, self.every = store, final_round, every
+
+    def wants(self, rnd: int) -> bool:
+        return self.store is not None and (rnd == self.final_round or (self.every > 0 and (rnd + 1) % self.every == 0))
+
+    def record_extractor(self, rnd: int, client: Client) -> None:
+        if not self.wants(rnd):
+            return
+        self.store.append(
+            {"round": rnd, "client": client.name, "kind": "extractor", "arch": client.arch, "spec": client.model.spec},
+            client.model.extractor_state(),
+        )
+
+
+@dataclass
+class FLEnv:
+    """Everything a method may use: its own clients, data access, the channel and the knowledge log."""
+
+    cfg: Any  # privfl.config.TrainConfig
+    opts: Any  # the method's Options instance
+    clients: list[Client]
+    data: DataView
+    num_classes: int
+    device: torch.device
+    channel: Any  # privfl.channel.Channel
+    knowledge: KnowledgeRecorder
+
+
+class FLMethod:
+    """Base class of every method (star topology)."""
+
+    name: ClassVar[str] = ""
+    #: message kinds this method transmits, with their direction
+    sends: ClassVar[dict[str, str]] = {}
+    #: what a run of this method lets an attacker have beside the messages
+    exposes: ClassVar[tuple[str, ...]] = ()
+    Options: ClassVar[type] = NoOptions
+    requires_homogeneous: ClassVar[bool] = False
+    paper: ClassVar[str] = ""
+
+    def __init__(self, env: FLEnv):
+        self.env = env
+        self.opts = env.opts
+        self.cfg = env.cfg
+        if self.requires_homogeneous and len({c.arch for c in env.clients}) > 1:
+            archs = sorted({c.arch for c in env.clients})
+            raise ConfigError(
+                f"{self.name} needs identical client models, got {', '.join(archs)}; use --model-group homo-cnn4"
+            )
+
+    # -------------------------------------------------------------- protocol
+    def setup(self) -> None:
+        """Messages exchanged once before round 0 (captured as round 0, meta phase=setup)."""
+
+    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
+        return client.model(x)
+
+    def server_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    # -------------------------------------------------------------- helpers
+    @property
+    def channel(self):
+        return self.env.channel
+
+    def send(self, msg: Message, truth: dict[str, torch.Tensor] | None = None) -> Message:
+        return self.env.channel.send(msg, truth=truth)
+
+    def client_names(self) -> list[str]:
+        return [c.name for c in self.env.clients]
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        raise UnknownNameError("optimizer", cfg.optimizer, ["sgd", "adam"])
+
+    def local_train(
+        self,
+        rnd: int,
+        client: Client,
+        extra_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> float:
+        """Local CE training (Eq. 1 of FedRE) for ``local_epochs``; returns the mean batch loss.
+
+        ``extra_loss(reps, logits, y)`` adds a method's regulariser (e.g. FedProto's prototype term).
+        The optimizer is created afresh each round (plain SGD carries no state); shuffling and
+        dropout are seeded from (seed, round, client) so a resumed run repeats them exactly.
+        """
+        model = client.model
+        model.train()
+        seed_global(self.cfg.seed, "local", rnd, client.index)
+        opt = self.make_optimizer(model.parameters())
+        total, batches = 0.0, 0
+        for epoch in range(self.cfg.local_epochs):
+            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch)
+            for x, y in self.env.data.batches(client.train_idx, self.cfg.batch_size, gen):
+                reps = model.represent(x)
+                logits = model.head(reps)
+                loss = F.cross_entropy(logits, y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(reps, logits, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+                batches += 1
+        return total / max(batches, 1)
+
+    @torch.no_grad()
+    def representations(self, client: Client, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample mapped representations (after RM) of the client's train split, eval mode."""
+        model = client.model
+        model.eval()
+        idx = client.train_idx if idx is None else idx
+        reps, labels = [], []
+        for x, y in self.env.data.batches(idx, self.cfg.eval_batch_size):
+            reps.append(model.represent(x))
+            labels.append(y)
+        return torch.cat(reps), torch.cat(labels)  # (n, d), (n,)
+
+
+def class_prototypes(
+    reps: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(classes present, their mean representations (k, d), sample counts) of one client."""
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, reps.shape[1], dtype=reps.dtype, device=reps.device)
+    sums.index_add_(0, labels, reps)
+    present = torch.nonzero(counts, as_tuple=False).flatten()
+    return present, sums[present] / counts[present].unsqueeze(1).to(reps.dtype), counts[present]
+
+
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers as detached tensors (what goes into a message)."""
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    module.load_state_dict({k: v.to(next(iter(module.state_dict().values())).device) for k, v in tensors.items()})
+
+
+def resolve_method(name: str) -> type[FLMethod]:
+    """A registered method, or a user's ``package.module:Class`` (imported, never eval'd)."""
+    if ":" not in name:
+        return METHODS.get(name)
+    module_name, _, attr = name.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot import method {name!r}: {exc}") from None
+    if not (isinstance(obj, type) and issubclass(obj, FLMethod)):
+        raise ConfigError(f"{name!r} is not a subclass of privfl.methods.FLMethod")
+    return obj

@@ -1,0 +1,146 @@
+"""Prototype methods: FedProto and FedGH. Clients upload per-class prototypes (``proto``).
+
+A prototype message carries ``protos`` (k, d) for the k classes present on the client plus their
+``classes`` and sample ``counts`` as aux tensors, so the paper-style count is (client-class pairs) * d.
+
+- FedProto (Tan et al., AAAI 2022): the server averages each class's prototypes over clients,
+  weighted by sample counts (the paper's |D_k,c|/N_c; HtFLlib averages unweighted: ``weighting``),
+  and broadcasts them (``global_proto``); clients add lambda * MSE(rep, global prototype of y) to CE
+  and classify by the nearest global prototype. lambda is tuned per dataset in the paper and differs
+  between paper and code (HtFLlib #12: 0.1 vs 10); we default to 1.0.
+- FedGH (Yi et al., ACM MM 2023): the server trains the shared global head on the (prototype, class)
+  pairs with CE and broadcasts it; clients replace their head with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from privfl.capture.message import Message
+from privfl.config import opt
+from privfl.methods.base import METHODS, Client, FLMethod, class_prototypes
+from privfl.methods.fedre import GlobalHeadServer
+
+
+def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Prototypes of the client's train split after local training (eval mode), and the truth behind them."""
+    reps, labels = method.representations(client)
+    classes, protos, counts = class_prototypes(reps, labels, method.env.num_classes)
+    msg = Message(
+        rnd, client.name, "server", "proto",
+        {"protos": protos, "classes": classes, "counts": counts},
+        {"arch": client.arch}, aux=("classes", "counts"),
+    )
+    return msg, {"indices": client.train_idx.cpu(), "labels": labels.cpu()}
+
+
+@dataclass
+class FedGHOptions:
+    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
+    server_batch: int = opt(10, "server batch size (prototypes per step)")
+    server_epochs: int = opt(1, "server epochs over the uploaded prototypes per round")
+
+
+@METHODS.register("fedgh")
+class FedGH(GlobalHeadServer):
+    name = "fedgh"
+    sends = {"proto": "up", "head": "down"}
+    exposes = ("extractor",)
+    Options = FedGHOptions
+    paper = "Yi et al., FedGH, ACM MM 2023"
+
+    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        protos, classes, losses = [], [], []
+        for client in selected:
+            losses.append(self.local_train(rnd, client))
+            msg, truth = prototype_message(self, rnd, client)
+            received = self.send(msg, truth)
+            self.env.knowledge.record_extractor(rnd, client)
+            protos.append(received.tensors["protos"])
+            classes.append(received.tensors["classes"])
+        o = self.opts
+        server_loss = self.train_head(
+            rnd, torch.cat(protos).to(self.env.device), torch.cat(classes).to(self.env.device),
+            lr=o.server_lr, batch=o.server_batch, epochs=o.server_epochs, loss_fn=F.cross_entropy,
+        )
+        self.broadcast_head(rnd)
+        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+
+
+@dataclass
+class FedProtoOptions:
+    lamda: float = opt(1.0, "weight of the prototype regulariser (lambda)")
+    weighting: str = opt("samples", "global prototype average: samples (paper) or uniform (HtFLlib)", choices=("samples", "uniform"))
+
+
+@METHODS.register("fedproto")
+class FedProto(FLMethod):
+    name = "fedproto"
+    sends = {"proto": "up", "global_proto": "down"}
+    exposes = ("extractor",)
+    Options = FedProtoOptions
+    paper = "Tan et al., FedProto, AAAI 2022"
+
+    def __init__(self, env):
+        super().__init__(env)
+        c, d = env.num_classes, self.cfg.rep_dim
+        # what each client last received: global prototypes (C, d) and which of them exist (C,)
+        self.received = {cl.name: (torch.zeros(c, d, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
+
+    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        c, d = self.env.num_classes, self.cfg.rep_dim
+        sums = torch.zeros(c, d, device=self.env.device)
+        weights = torch.zeros(c, device=self.env.device)
+        losses = []
+        for client in selected:
+            protos, known = self.received[client.name]
+
+            def proto_term(reps, logits, y, protos=protos, known=known):
+                mask = known[y]
+                if not mask.any():
+                    return reps.new_zeros(())
+                return self.opts.lamda * F.mse_loss(reps[mask], protos[y[mask]])
+
+            losses.append(self.local_train(rnd, client, proto_term))
+            msg, truth = prototype_message(self, rnd, client)
+            received = self.send(msg, truth)
+            self.env.knowledge.record_extractor(rnd, client)
+            cls = received.tensors["classes"].to(self.env.device)
+            w = received.tensors["counts"].to(self.env.device).float() if self.opts.weighting == "samples" else torch.ones(len(cls), device=self.env.device)
+            sums.index_add_(0, cls, received.tensors["protos"].to(self.env.device) * w.unsqueeze(1))
+            weights.index_add_(0, cls, w)
+        present = torch.nonzero(weights, as_tuple=False).flatten()
+        global_protos = sums[present] / weights[present].unsqueeze(1)  # (m, d)
+        delivered = self.channel.broadcast(
+            rnd, self.client_names(), "global_proto", {"protos": global_protos, "classes": present}, aux=("classes",)
+        )
+        for name, msg in delivered.items():
+            protos, known = self.received[name]
+            cls = msg.tensors["classes"].to(self.env.device)
+            protos[cls] = msg.tensors["protos"].to(self.env.device)
+            known[cls] = True
+        return {"train_loss": sum(losses) / max(len(losses), 1)}
+
+    def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
+        """Nearest received global prototype (L2), as FedProto infers; the local head until any arrive."""
+        protos, known = self.received[client.name]
+        if not known.any():
+            return client.model(x)
+        reps = client.model.represent(x)
+        dist = torch.cdist(reps, protos)
+        dist[:, ~known] = float("inf")
+        return -dist
+
+    def server_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (protos, known) in self.received.items():
+            out[f"{name}.protos"], out[f"{name}.known"] = protos, known
+        return out
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, (protos, known) in self.received.items():
+            protos.copy_(state[f"{name}.protos"])
+            known.copy_(state[f"{name}.known"])

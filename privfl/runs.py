@@ -1,0 +1,41 @@
+"""Run directories: layout, the ``latest`` pointer, and resolving ``--run`` arguments.
+
+``runs/<name>/``: ``config.toml``/``config.json`` (resolved config), ``run.json`` (what was sent and
+what an attacker may know), ``metrics.jsonl``/``metrics.csv`` (per round), ``summary.json``,
+``partition.json``/``partition.png``, ``checkpoint/`` (latest round only), ``capture/`` (messages),
+``knowledge/`` (attacker knowledge), ``truth/`` (ground truth: partition, samples behind messages).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from privfl.errors import ConfigError
+
+LATEST = "latest"
+
+
+def mark_latest(run_dir: Path) -> None:
+    """Point ``<out>/latest`` at ``run_dir`` (atomic symlink swap)."""
+    link = run_dir.parent / LATEST
+    tmp = run_dir.parent / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def resolve_run(run: str | None, out_dir: str | Path = "runs") -> Path:
+    """``None``/``latest`` -> the latest run under ``out_dir``; otherwise a path to a run directory."""
+    if run in (None, LATEST):
+        link = Path(out_dir) / LATEST
+        if not link.exists():
+            raise ConfigError(f"no latest run under {out_dir}/ (train one first: python -m privfl.train fedre)")
+        path = link.resolve()
+    else:
+        path = Path(run)
+        if not path.exists() and (Path(out_dir) / run).exists():
+            path = Path(out_dir) / run
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a privfl run directory (no config.json)")
+    return path
