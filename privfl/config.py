@@ -20,7 +20,7 @@ from typing import Any
 import tomli_w
 import yaml
 
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, UnknownNameError
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -84,7 +84,15 @@ def field_types(cls: type) -> dict[str, type]:
 
 
 def coerce(cls: type, key: str, value: Any) -> Any:
-    """Check and convert one config value to its field's type."""
+    """Check and convert one config value to its field's type (and its declared choices)."""
+    value = _convert(cls, key, value)
+    choices = next(f.metadata.get("choices") for f in fields(cls) if f.name == key)
+    if choices is not None and value not in choices:
+        raise UnknownNameError(f"value for option {key}", str(value), choices)
+    return value
+
+
+def _convert(cls: type, key: str, value: Any) -> Any:
     tp = field_types(cls)[key]
     if value is None:
         return None

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from datetime import datetime
@@ -97,7 +98,9 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         truth_dir = run_dir / "truth"
         if resume:
-            split = ClientSplit.from_tensors(load_file(str(truth_dir / "partition.safetensors")))
+            saved = load_file(str(truth_dir / "partition.safetensors"))
+            saved.pop("subset", None)
+            split = ClientSplit.from_tensors(saved)
         else:
             parts = partition_indices(
                 labels.numpy(), cfg.num_clients, cfg.partition, cfg.seed, alpha=cfg.alpha,
@@ -321,7 +324,12 @@ def write_run_info(trainer: Trainer) -> None:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir = new_run_dir(cfg)
-    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir)
+    except BaseException:
+        # bad input found while setting up (missing data, impossible partition): leave nothing behind
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     save_config(cfg, run_dir)
     write_run_info(trainer)
     mark_latest(run_dir)

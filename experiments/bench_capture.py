@@ -1,0 +1,69 @@
+"""How much does capture slow training? Same run, same seed, capture on vs off, side by side.
+
+Runs are interleaved (on, off, off, on, ...) so drift in machine load hits both sides; the ratio of
+the medians is printed, with the capture's size. Also checks that both sides reach identical
+accuracies (capture must not change training).
+
+    python experiments/bench_capture.py                       # FedRE, 10k Fashion-MNIST samples, 3 rounds
+    python experiments/bench_capture.py --method fedallrep    # the heaviest capture (every representation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from privfl.config import build_config
+from privfl.engine import Trainer, dir_size
+from privfl.methods import resolve_method
+
+
+def one_run(out: Path, name: str, capture: bool, args) -> tuple[float, list[float], int]:
+    values = {"method": args.method, "subsample": args.subsample, "rounds": args.rounds, "capture": capture,
+              "progress": False, "out_dir": str(out), "run_name": name, "seed": args.seed, "device": args.device}
+    if resolve_method(args.method).requires_homogeneous:
+        values["model_group"] = "homo-cnn4"
+    cfg = build_config(values, resolve_method(args.method).Options)
+    trainer = Trainer(cfg, out / name)
+    t0 = time.perf_counter()
+    trainer.run()
+    seconds = time.perf_counter() - t0
+    return seconds, [h["acc"] for h in trainer.history], dir_size(out / name / "capture")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="fedre")
+    p.add_argument("--subsample", type=int, default=10000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2, help="pairs of (on, off) runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    times = {True: [], False: []}
+    accs, size = {}, 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for capture in ((True, False) if rep % 2 == 0 else (False, True)):
+                seconds, acc, nbytes = one_run(Path(tmp), f"r{rep}-{capture}", capture, args)
+                times[capture].append(seconds)
+                accs[capture] = acc
+                size = max(size, nbytes)
+                print(f"  repeat {rep} capture={'on ' if capture else 'off'} {seconds:7.2f} s", flush=True)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"{args.method}: {args.subsample} samples, {args.rounds} rounds, {args.repeats} pairs")
+    print(f"training time, capture on  (median): {on:.2f} s")
+    print(f"training time, capture off (median): {off:.2f} s")
+    print(f"slowdown ratio on/off: {on / off:.4f}  ({100 * (on / off - 1):+.2f} %)")
+    print(f"capture size: {size / 1024:.1f} KiB ({size / args.rounds / 1024:.1f} KiB per round)")
+    same = accs[True] == accs[False]
+    print(f"identical accuracies with and without capture: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

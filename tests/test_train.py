@@ -1,0 +1,260 @@
+"""End-to-end training runs on small real data: counts, the three-way split, resume, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from privfl.capture import TensorStore
+from privfl.cli import run_cli
+from privfl.methods import METHODS
+from privfl.models import build_model
+from privfl.train import main as train_main
+from tests.fakedata import write_cifar100, write_tinyimagenet
+
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
+QUICK = ["--subsample", "600", "--partition", "iid", "--rounds", "1", "--no-progress", "--batch-size", "32"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(tmp_path: Path, *args: str, name: str = "run") -> Path:
+    assert train_main([*args, "--out-dir", str(tmp_path), "--run-name", name]) == 0
+    return tmp_path / name
+
+
+def cli_error(capsys, main, argv) -> str:
+    code = run_cli("privfl.train", lambda: main(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_fmnist
+def test_fedre_capture_counts_and_three_way_split(tmp_path):
+    run = train(tmp_path, "fedre", *QUICK)
+    m = metrics(run)[-1]
+    # FedRE paper: upload K*d = 5.12e3, broadcast K*(dC+C) = 51.30e3 (K=10, d=512, C=10)
+    assert m["upload_scalars"] == 10 * 512 == 5120
+    assert m["upload_scalars_full"] == 10 * (512 + 10)  # dense entangled label counted too
+    assert m["broadcast_scalars"] == 10 * (512 * 10 + 10) == 51300
+    assert m["upload_bytes"] == 4 * 10 * (512 + 10)
+    assert (tmp_path / "latest").resolve() == run.resolve()
+    capture = TensorStore(run / "capture", "capture")
+    knowledge = TensorStore(run / "knowledge", "knowledge")
+    truth = TensorStore(run / "truth", "truth")
+    ups = [r for r in capture.records() if r["kind"] == "ent_rep"]
+    assert len(ups) == 10 and capture.verify() == []
+    # the capture holds no ground truth; truth is keyed by message seq
+    assert all(set(r["tensors"]) == {"rep", "label"} for r in ups)
+    truth_by_seq = {r["message_seq"]: r for r in truth.records()}
+    know_by_client = {r["client"]: r for r in knowledge.records()}
+    assert set(know_by_client) == {f"client{k}" for k in range(10)}
+    # knowledge + truth rebuild exactly what was sent: extractor(samples) weighted by the RE weights
+    from privfl.data import load_dataset
+    from privfl.data.partition import ClientSplit  # noqa: F401
+    from safetensors.torch import load_file
+
+    data = load_dataset("fashionmnist")
+    subset = load_file(str(run / "truth" / "partition.safetensors"))["subset"]
+    for rec in ups[:3]:
+        k = know_by_client[rec["sender"]]
+        model = build_model(**k["spec"])
+        model.load_extractor_state(knowledge.load(k))
+        model.eval()
+        t = truth.load(truth_by_seq[rec["seq"]])
+        x = data.normalize(data.images[subset[t["indices"]]])
+        with torch.no_grad():
+            rebuilt = model.represent(x).double().T @ t["weights"]
+        sent = capture.load(rec)
+        assert torch.allclose(rebuilt.float(), sent["rep"], atol=1e-4)
+        assert sent["label"].sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fedre_broadcast_counts_cifar100_and_tinyimagenet_d2048(tmp_path):
+    write_cifar100(tmp_path / "c100")
+    run = train(tmp_path, "fedre", "--dataset", "cifar100", "--data-root", str(tmp_path / "c100"), *QUICK, name="c100")
+    m = metrics(run)[-1]
+    assert (m["upload_scalars"], m["broadcast_scalars"]) == (5120, 513000)  # paper: 5.12e3 / 513.00e3
+    write_tinyimagenet(tmp_path / "tiny")
+    run = train(tmp_path, "fedre", "--dataset", "tinyimagenet", "--data-root", str(tmp_path / "tiny"), "--rep-dim", "2048",
+                *QUICK, "--model-group", "homo-cnn4", name="tiny")
+    m = metrics(run)[-1]
+    assert (m["upload_scalars"], m["broadcast_scalars"]) == (20480, 4098000)  # paper: 20.48e3 / 4098.00e3
+
+
+@needs_fmnist
+@pytest.mark.parametrize("method", ["fedgh", "fedproto"])
+def test_prototype_upload_is_client_class_pairs_times_d(tmp_path, method):
+    run = train(tmp_path, method, "--subsample", "1000", "--alpha", "0.3", "--rounds", "1", "--no-progress", "--min-samples", "8")
+    from safetensors.torch import load_file
+
+    split = load_file(str(run / "truth" / "partition.safetensors"))
+    labels = None
+    capture = TensorStore(run / "capture", "capture")
+    ups = [r for r in capture.records() if r["direction"] == "up"]
+    from privfl.data import load_dataset
+
+    labels = load_dataset("fashionmnist").labels[split["subset"]]
+    pairs = sum(len(labels[split[f"train_{k}"]].unique()) for k in range(10))
+    assert metrics(run)[-1]["upload_scalars"] == pairs * 512
+    assert sum(r["tensors"]["protos"]["shape"][0] for r in ups) == pairs
+    down = [r for r in capture.records() if r["direction"] == "down" and r["round"] == 0 and r["meta"].get("phase") != "setup"]
+    if method == "fedproto":
+        assert all(r["kind"] == "global_proto" for r in down) and metrics(run)[-1]["broadcast_scalars"] == 10 * 10 * 512
+    else:
+        assert all(r["kind"] == "head" for r in down)
+
+
+@needs_fmnist
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_method_trains_and_captures_what_it_declares(tmp_path, method):
+    group = ["--model-group", "homo-cnn4"] if METHODS.get(method).requires_homogeneous else []
+    run = train(tmp_path, method, *QUICK, "--rounds", "2", *group)
+    m = metrics(run)
+    assert len(m) == 2 and all(0.0 <= h["acc"] <= 1.0 for h in m)
+    kinds = {r["kind"] for r in TensorStore(run / "capture", "capture").records()}
+    assert kinds == set(METHODS.get(method).sends)
+    info = json.loads((run / "run.json").read_text())
+    assert info["sends"] == METHODS.get(method).sends
+
+
+@needs_fmnist
+def test_fedavg_averages_by_sample_count(tmp_path):
+    run = train(tmp_path, "fedavg", *QUICK, "--model-group", "homo-cnn4", "--partition", "dir", "--alpha", "0.5", "--min-samples", "10")
+    capture = TensorStore(run / "capture", "capture")
+    recs = capture.records()
+    ups = [r for r in recs if r["direction"] == "up"]
+    down = [r for r in recs if r["direction"] == "down" and r["meta"].get("phase") == "train"][0]
+    weights = torch.tensor([r["meta"]["num_samples"] for r in ups], dtype=torch.float64)
+    key = "features.0.weight"
+    stacked = torch.stack([capture.load(r)[key].double() for r in ups])
+    expected = (stacked * (weights / weights.sum()).view(-1, *[1] * (stacked.dim() - 1))).sum(0)
+    assert torch.allclose(capture.load(down)[key].double(), expected, atol=1e-6)
+
+
+@needs_fmnist
+def test_killed_run_resumes_to_identical_metrics_and_capture(tmp_path):
+    args = [sys.executable, "-m", "privfl.train", "fedre", *QUICK, "--rounds", "3", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([*args, "--run-name", "full"], check=True, env=env, cwd=ROOT, capture_output=True)
+    killed = subprocess.run([*args, "--run-name", "killed"], env={**env, "PRIVFL_FAULT": "1:7"}, cwd=ROOT, capture_output=True)
+    assert killed.returncode == 137
+    assert len(metrics(tmp_path / "killed")) == 1  # died in the middle of round 1
+    resumed = subprocess.run([sys.executable, "-m", "privfl.train", "--resume", str(tmp_path / "killed"), "--no-progress"],
+                             env=env, cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+    assert strip(metrics(tmp_path / "full")) == strip(metrics(tmp_path / "killed"))
+    for store in ("capture", "knowledge", "truth"):
+        a = TensorStore(tmp_path / "full" / store, store).records()
+        b = TensorStore(tmp_path / "killed" / store, store).records()
+        assert a == b, store
+
+
+@needs_fmnist
+def test_user_method_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_fl.py").write_text(
+        "from privfl.methods import FLMethod\n"
+        "from privfl.capture import Message\n"
+        "class HeadOnly(FLMethod):\n"
+        "    name = 'headonly'\n"
+        "    sends = {'head': 'up'}\n"
+        "    def run_round(self, rnd, selected):\n"
+        "        for c in selected:\n"
+        "            self.local_train(rnd, c)\n"
+        "            self.send(Message(rnd, c.name, 'server', 'head', {k: v.detach() for k, v in c.model.head.state_dict().items()}))\n"
+        "        return {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = train(tmp_path, "my_fl:HeadOnly", *QUICK)
+    assert metrics(run)[-1]["upload_scalars"] == 10 * (512 * 10 + 10)
+
+
+@needs_fmnist
+def test_config_file_equivalent_and_saved(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('method = "fedre"\nsubsample = 600\npartition = "iid"\nrounds = 1\nprogress = false\n'
+                   '[options]\nre = "vap"\nserver-batch = 5\n')
+    run = train(tmp_path, "--config", str(cfg), "--lr", "0.05")
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["options"]["re"] == "vap" and saved["options"]["server_batch"] == 5 and saved["lr"] == 0.05
+    assert (run / "config.toml").read_text().count("vap") == 1
+    up = [r for r in TensorStore(run / "capture", "capture").records() if r["kind"] == "ent_rep"][0]
+    assert up["meta"]["re"] == "vap"
+    # the saved TOML reproduces the run
+    again = train(tmp_path, "--config", str(run / "config.toml"), name="again")
+    assert metrics(again)[-1]["acc"] == metrics(run)[-1]["acc"]
+
+
+def test_bad_input_gives_one_line_and_status_2(tmp_path, capsys):
+    err = cli_error(capsys, train_main, ["fedrex"])
+    assert "unknown method 'fedrex'" in err and "fedre" in err and "fedproto" in err
+    assert "accepted" in cli_error(capsys, train_main, ["fedre", "--dataset", "svhn"])
+    err = cli_error(capsys, train_main, ["fedre", "--dataset", "cifar10", "--data-root", str(tmp_path), "--out-dir", str(tmp_path)])
+    assert "cifar" in err.lower() and "--download" in err
+    err = cli_error(capsys, train_main, ["fedre", "--model-group", "huge"])
+    assert "cpu5" in err and "htm10" in err
+    err = cli_error(capsys, train_main, ["fedre", "--re", "xyz", "--out-dir", str(tmp_path)])
+    assert "rap" in err
+    (tmp_path / "bad.toml").write_text("roundz = 3\n")
+    assert "roundz" in cli_error(capsys, train_main, ["--config", str(tmp_path / "bad.toml")])
+    assert "not a valid int" in cli_error(capsys, train_main, ["fedre", "--rounds", "many"])
+    assert not list(tmp_path.glob("fedre-*"))  # nothing half-written
+
+
+def test_help_lists_catalogue(capsys):
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    for word in ("fedre", "fedallrep", "fashionmnist", "tinyimagenet", "htm10", "cpu5", "dir", "longtail", "--join-ratio"):
+        assert word in out, word
+    with pytest.raises(SystemExit):
+        train_main(["fedre", "--help"])
+    out = capsys.readouterr().out
+    assert "--re " in out and "--weight-dist" in out and "--sampling" in out
+
+
+@needs_fmnist
+def test_capture_cli_verify_detects_flipped_byte(tmp_path, capsys):
+    from privfl.capture.__main__ import main as capture_main
+
+    run = train(tmp_path, "fedre", *QUICK)
+    assert capture_main(["--run", str(run), "verify"]) == 0
+    assert capture_main(["--run", str(run), "list", "--kind", "ent_rep"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ent_rep") == 10
+    rec = TensorStore(run / "capture", "capture").records()[-1]
+    blob = TensorStore(run / "capture", "capture").blob_path(rec["sha256"])
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert capture_main(["--run", str(run), "verify"]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+    code = run_cli("privfl.capture", lambda: capture_main(["--run", str(run), "list", "--kind", "weights"]))
+    assert code == 2 and "ent_rep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "fedre").glob("*.toml")), ids=lambda p: p.stem)
+def test_paper_configs_are_valid(path):
+    from privfl.config import build_config, read_config_file
+    from privfl.models import assign_archs
+
+    values = read_config_file(path)
+    cfg = build_config(values, METHODS.get(values["method"]).Options)
+    assert cfg.rounds == 100 and cfg.options["server_lr"] == 0.01 and cfg.options["server_batch"] == 10
+    assert len(assign_archs(cfg.model_group, cfg.num_clients)) == cfg.num_clients
