@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 import yaml
 
 from privfl.errors import ConfigError, UnknownNameError

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 from privfl.cli import run_cli
 from privfl.config import TrainConfig, add_dataclass_arguments, build_config, load_saved_config, read_config_file

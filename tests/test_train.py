@@ -62,9 +62,9 @@ def test_fedre_capture_counts_and_three_way_split(tmp_path):
     know_by_client = {r["client"]: r for r in knowledge.records()}
     assert set(know_by_client) == {f"client{k}" for k in range(10)}
     # knowledge + truth rebuild exactly what was sent: extractor(samples) weighted by the RE weights
-    from privfl.data import load_dataset
-    from privfl.data.partition import ClientSplit  # noqa: F401
     from safetensors.torch import load_file
+
+    from privfl.data import load_dataset
 
     data = load_dataset("fashionmnist")
     subset = load_file(str(run / "truth" / "partition.safetensors"))["subset"]

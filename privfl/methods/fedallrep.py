@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
@@ -34,20 +33,10 @@ class FedAllRep(GlobalHeadServer):
     Options = FedAllRepOptions
     paper = "FedRE [000] Table 3 / [001] Table 4 ablation"
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        reps, labels, losses = [], [], []
-        for client in selected:
-            losses.append(self.local_train(rnd, client))
-            r, y = self.representations(client)  # (n, d), (n,)
-            msg = Message(rnd, client.name, "server", "rep", {"reps": r, "labels": y}, {"arch": client.arch}, aux=("labels",))
-            received = self.send(msg, {"indices": client.train_idx.cpu()})
-            self.env.knowledge.record_extractor(rnd, client)
-            reps.append(received.tensors["reps"])
-            labels.append(received.tensors["labels"])
-        o = self.opts
-        server_loss = self.train_head(
-            rnd, torch.cat(reps).to(self.env.device), torch.cat(labels).to(self.env.device),
-            lr=o.server_lr, batch=o.server_batch, epochs=o.server_epochs, loss_fn=F.cross_entropy,
-        )
-        self.broadcast_head(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+    def upload(self, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
+        reps, labels = self.representations(client)  # (n, d), (n,)
+        msg = Message(rnd, client.name, "server", "rep", {"reps": reps, "labels": labels}, {"arch": client.arch}, aux=("labels",))
+        return msg, {"indices": client.train_idx.cpu()}
+
+    def head_data(self, received: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([m.tensors["reps"] for m in received]), torch.cat([m.tensors["labels"] for m in received])

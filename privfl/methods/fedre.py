@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from privfl.capture.message import Message
@@ -81,6 +82,33 @@ class GlobalHeadServer(FLMethod):
                 steps += 1
         return total / max(steps, 1)
 
+    # ---- the round shared by FedRE, FedAllRep and FedGH: upload, train the head, broadcast it
+    def upload(self, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
+        """The client's message after local training, and the ground truth behind it."""
+        raise NotImplementedError
+
+    def head_data(self, received: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) the server trains the global head on."""
+        raise NotImplementedError
+
+    def head_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets)
+
+    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        received, losses = [], []
+        for client in selected:
+            losses.append(self.local_train(rnd, client))
+            received.append(self.send(*self.upload(rnd, client)))
+            self.env.knowledge.record_extractor(rnd, client)
+        inputs, targets = self.head_data(received)
+        o = self.opts
+        server_loss = self.train_head(
+            rnd, inputs.to(self.env.device), targets.to(self.env.device),
+            lr=o.server_lr, batch=o.server_batch, epochs=o.server_epochs, loss_fn=self.head_loss,
+        )
+        self.broadcast_head(rnd)
+        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+
     def server_state(self) -> dict[str, torch.Tensor]:
         return {f"head.{k}": v for k, v in module_tensors(self.head).items()}
 
@@ -96,8 +124,8 @@ class FedRE(GlobalHeadServer):
     Options = FedREOptions
     paper = "Yao et al., FedRE, CVPR 2026 (arXiv 2511.22265)"
 
-    def entangled_message(self, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
-        """The client's upload and the ground truth behind it (indices and per-sample weights)."""
+    def upload(self, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
+        """One entangled representation + label; truth = the sample ids and per-sample weights."""
         o = self.opts
         reps, labels = self.representations(client)  # (n, d), (n,)
         key = ("re", rnd, client.index) if o.sampling == "resample" else ("re-fixed", client.index)
@@ -108,24 +136,9 @@ class FedRE(GlobalHeadServer):
         msg = Message(rnd, client.name, "server", "ent_rep", {"rep": rep, "label": label}, meta, aux=("label",))
         return msg, {"indices": client.train_idx.cpu(), "weights": weights}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        reps, labels, losses = [], [], []
-        for client in selected:
-            losses.append(self.local_train(rnd, client))
-            msg, truth = self.entangled_message(rnd, client)
-            received = self.send(msg, truth)
-            self.env.knowledge.record_extractor(rnd, client)
-            reps.append(received.tensors["rep"])
-            labels.append(received.tensors["label"])
-        o = self.opts
-        server_loss = self.train_head(
-            rnd,
-            torch.stack(reps).to(self.env.device),  # (K, d)
-            torch.stack(labels).to(self.env.device),  # (K, C)
-            lr=o.server_lr,
-            batch=o.server_batch,
-            epochs=o.server_epochs,
-            loss_fn=lambda logits, y: soft_label_loss(logits, y, o.server_reduction),
-        )
-        self.broadcast_head(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+    def head_data(self, received: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+        # (K, d) entangled representations and their (K, C) soft labels
+        return torch.stack([m.tensors["rep"] for m in received]), torch.stack([m.tensors["label"] for m in received])
+
+    def head_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return soft_label_loss(logits, targets, self.opts.server_reduction)

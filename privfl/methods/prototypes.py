@@ -52,22 +52,12 @@ class FedGH(GlobalHeadServer):
     Options = FedGHOptions
     paper = "Yi et al., FedGH, ACM MM 2023"
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        protos, classes, losses = [], [], []
-        for client in selected:
-            losses.append(self.local_train(rnd, client))
-            msg, truth = prototype_message(self, rnd, client)
-            received = self.send(msg, truth)
-            self.env.knowledge.record_extractor(rnd, client)
-            protos.append(received.tensors["protos"])
-            classes.append(received.tensors["classes"])
-        o = self.opts
-        server_loss = self.train_head(
-            rnd, torch.cat(protos).to(self.env.device), torch.cat(classes).to(self.env.device),
-            lr=o.server_lr, batch=o.server_batch, epochs=o.server_epochs, loss_fn=F.cross_entropy,
-        )
-        self.broadcast_head(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+    def upload(self, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
+        return prototype_message(self, rnd, client)
+
+    def head_data(self, received: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+        # every (prototype, class) pair of every client
+        return torch.cat([m.tensors["protos"] for m in received]), torch.cat([m.tensors["classes"] for m in received])
 
 
 @dataclass
@@ -105,8 +95,7 @@ class FedProto(FLMethod):
                 return self.opts.lamda * F.mse_loss(reps[mask], protos[y[mask]])
 
             losses.append(self.local_train(rnd, client, proto_term))
-            msg, truth = prototype_message(self, rnd, client)
-            received = self.send(msg, truth)
+            received = self.send(*prototype_message(self, rnd, client))
             self.env.knowledge.record_extractor(rnd, client)
             cls = received.tensors["classes"].to(self.env.device)
             w = received.tensors["counts"].to(self.env.device).float() if self.opts.weighting == "samples" else torch.ones(len(cls), device=self.env.device)
