@@ -258,3 +258,11 @@ def test_paper_configs_are_valid(path):
     cfg = build_config(values, METHODS.get(values["method"]).Options)
     assert cfg.rounds == 100 and cfg.options["server_lr"] == 0.01 and cfg.options["server_batch"] == 10
     assert len(assign_archs(cfg.model_group, cfg.num_clients)) == cfg.num_clients
+
+
+def test_real_processes_exit_2_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv in (["privfl.train", "fedrex"], ["privfl.capture", "--run", str(tmp_path / "none"), "verify"]):
+        proc = subprocess.run([sys.executable, "-m", *argv], env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(argv[0]), proc.stderr
