@@ -316,7 +316,8 @@ def write_run_info(trainer: Trainer) -> None:
         "archs": [c.arch for c in trainer.clients],
         "dataset": {"name": trainer.cfg.dataset, "num_classes": trainer.dataset.num_classes,
                     "channels": trainer.dataset.channels, "image_size": trainer.dataset.image_size,
-                    "mean": list(trainer.dataset.mean), "std": list(trainer.dataset.std)},
+                    "mean": list(trainer.dataset.mean), "std": list(trainer.dataset.std),
+                    "class_names": list(trainer.dataset.class_names)},
         "stores": {"capture": "capture/", "knowledge": "knowledge/", "ground_truth": "truth/"},
     }
     atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")

@@ -1,0 +1,39 @@
+"""What an attacker knows beyond the captured messages, declared per attack and recorded per run.
+
+After LeakPro's documented capability flags: every field says what it grants, an attack declares
+the fields it ``needs`` (no default), and the runner refuses to start when the run does not provide
+them, naming what is missing. Ground truth is never a capability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    extractor: bool = False
+    """White-box access to the attacked client's extractor incl. its representation mapping, as it was
+    when it produced the artifact (FedRE [000] Sec. 3: the server "can illegally access the
+    representation extractors of clients")."""
+
+    previous_state: bool = False
+    """The parameters the attacker itself last sent or received, so a parameter message becomes an update."""
+
+    local_hyperparameters: bool = False
+    """The clients' local steps, learning rate and batch size (known to a server that set them)."""
+
+    def missing(self, available: Knowledge) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) and not getattr(available, f.name)]
+
+    def granted(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+#: threat models of the literature, by name
+THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
+    "curious-server-whitebox-extractor": (
+        Knowledge(extractor=True),
+        "honest-but-curious server that also holds each client's extractor (FedRE [000] Sec. 3)",
+    ),
+}
