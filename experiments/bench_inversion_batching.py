@@ -1,0 +1,63 @@
+"""Seconds per inverted target: K targets in one grouped DIP optimisation vs one at a time.
+
+Same extractor (a client of a real run), same K targets (that client's per-sample representations of
+K training images), same steps and seeds; prints the ratio and both sides' PSNR so speed is not
+bought with quality.
+
+    python experiments/bench_inversion_batching.py                 # latest run, client0, K=8, 200 steps
+    python experiments/bench_inversion_batching.py --k 16 --steps 500 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from attacks.dip import DIPConfig, invert
+from attacks.groundtruth import GroundTruth
+from attacks.metrics import psnr
+from attacks.view import AttackerView
+from privfl.engine import resolve_device
+from privfl.runs import resolve_run
+from privfl.seeding import derive_seed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run")
+    p.add_argument("--client", default="client0")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    run = resolve_run(args.run)
+    view, truth = AttackerView(run), GroundTruth(run)
+    rnd = max(r["round"] for r in view.extractor_records() if r["client"] == args.client)
+    model = view.extractor(args.client, rnd, device)
+    idx = truth.client_train(args.client)[: args.k]
+    images = truth.images(idx)
+    ds = view.dataset
+    mean, std = torch.tensor(ds["mean"]).view(1, -1, 1, 1), torch.tensor(ds["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        targets = model.represent(((images - mean) / std).to(device)).cpu()
+    shape = (ds["channels"], ds["image_size"], ds["image_size"])
+    cfg = DIPConfig(steps=args.steps)
+    seeds = [derive_seed(0, "bench", i) for i in range(args.k)]
+    batched = invert(model.represent, targets, shape, ds["mean"], ds["std"], cfg, seeds, device=device)
+    singles = [invert(model.represent, targets[i : i + 1], shape, ds["mean"], ds["std"], cfg, [seeds[i]], device=device) for i in range(args.k)]
+    t_batched = batched.seconds / args.k
+    t_single = sum(s.seconds for s in singles) / args.k
+    psnr_b = psnr(batched.images, images).mean().item()
+    psnr_s = psnr(torch.cat([s.images for s in singles]), images).mean().item()
+    print(f"run {run}, {args.client} r{rnd}, K={args.k}, {args.steps} DIP steps, device {device}")
+    print(f"one at a time: {t_single:.3f} s per target   (mean PSNR {psnr_s:.2f} dB)")
+    print(f"batched (K={args.k}): {t_batched:.3f} s per target   (mean PSNR {psnr_b:.2f} dB)")
+    print(f"speed-up batched vs one at a time: {t_single / t_batched:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
