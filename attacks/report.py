@@ -17,7 +17,6 @@ import io
 import json
 import math
 import os
-import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,25 +26,9 @@ from urllib.parse import quote
 import numpy as np
 from torch import Tensor
 
+from privfl.capture import atomic_write_bytes, atomic_write_text
+
 TRUTH_LABEL = "ground truth"
-
-
-# ------------------------------------------------------------------------------------- file helpers
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, then os.replace: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------------ gallery
@@ -124,7 +107,7 @@ def save_gallery(path: str | os.PathLike, truth: Tensor | None, rows: Sequence[t
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
     out = Path(path)
-    _atomic_write_bytes(out, buf.getvalue())
+    atomic_write_bytes(out, buf.getvalue())
     return out
 
 
@@ -194,14 +177,14 @@ def write_metrics(folder: str | os.PathLike, per_image_rows: Sequence[Mapping[st
     rows = [dict(r) for r in per_image_rows]
     doc = {"protocol": _jsonable(protocol), "summary": _jsonable(summary), "images": _jsonable(rows)}
     json_path, csv_path, summary_path = folder / "metrics.json", folder / "metrics.csv", folder / "summary.csv"
-    _atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
     columns: dict[str, None] = {}
     for r in rows:
         columns.update(dict.fromkeys(r))
-    _atomic_write_text(csv_path, _csv_text(list(columns), rows))
+    atomic_write_text(csv_path, _csv_text(list(columns), rows))
     flat = _flatten(summary)
-    _atomic_write_text(summary_path, _csv_text(["key", "value"], [{"key": k, "value": v} for k, v in flat.items()]))
+    atomic_write_text(summary_path, _csv_text(["key", "value"], [{"key": k, "value": v} for k, v in flat.items()]))
     return json_path, csv_path, summary_path
 
 
@@ -309,5 +292,5 @@ def write_html(folder: str | os.PathLike, title: str, sections: Sequence[Mapping
         parts.append("</section>")
     parts.append("</body></html>\n")
     out = folder / "index.html"
-    _atomic_write_text(out, "\n".join(parts))
+    atomic_write_text(out, "\n".join(parts))
     return out

@@ -13,16 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from privfl.capture.message import Message
-from privfl.config import opt
 from privfl.methods.base import METHODS, Client
-from privfl.methods.fedre import GlobalHeadServer
+from privfl.methods.fedre import GlobalHeadServer, HeadServerOptions
 
 
 @dataclass
-class FedAllRepOptions:
-    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
-    server_batch: int = opt(10, "server batch size")
-    server_epochs: int = opt(1, "server epochs over all uploaded representations per round")
+class FedAllRepOptions(HeadServerOptions):
+    """FedRE's server settings; the hard-label loss is averaged over a batch."""
 
 
 @METHODS.register("fedallrep")

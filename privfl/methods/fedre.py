@@ -38,14 +38,21 @@ from privfl.seeding import seed_global, torch_generator
 
 
 @dataclass
-class FedREOptions:
+class HeadServerOptions:
+    """Server settings of every method whose server trains one global head (FedRE paper: SGD lr 0.01,
+    batch 10, one epoch per round)."""
+
+    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
+    server_batch: int = opt(10, "server batch size")
+    server_epochs: int = opt(1, "server epochs over the uploads per round")
+
+
+@dataclass
+class FedREOptions(HeadServerOptions):
     re: str = opt("rap", "RE mechanism", choices=MECHANISMS)
     weight_dist: str = opt("uniform", "distribution of random RE weights ([001] Table 7)", choices=DISTRIBUTIONS)
     negatives: str = opt("abs", "how negative gaussian/laplace draws are normalised", choices=NEGATIVES)
     sampling: str = opt("resample", "resample: new weights every round; fixed: drawn once ([001] Table 8)", choices=("resample", "fixed"))
-    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
-    server_batch: int = opt(10, "server batch size (entangled representations per step)")
-    server_epochs: int = opt(1, "server epochs over the uploads per round")
     server_reduction: str = opt("sum", "server loss reduction over a batch: sum (official code) or mean", choices=("sum", "mean"))
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, FLMethod, class_prototypes
-from privfl.methods.fedre import GlobalHeadServer
+from privfl.methods.fedre import GlobalHeadServer, HeadServerOptions
 
 
 def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
@@ -38,10 +38,8 @@ def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Messa
 
 
 @dataclass
-class FedGHOptions:
-    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
-    server_batch: int = opt(10, "server batch size (prototypes per step)")
-    server_epochs: int = opt(1, "server epochs over the uploaded prototypes per round")
+class FedGHOptions(HeadServerOptions):
+    """The server trains the global head on (prototype, class) pairs."""
 
 
 @METHODS.register("fedgh")
