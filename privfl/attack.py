@@ -12,6 +12,7 @@ Outputs go to ``RUN/attacks/<name>/``: ``gallery.png`` (ground truth above recon
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -152,6 +153,7 @@ def _protocol(args, view, attack, extra: dict) -> dict:
         "attack": attack.name, "paper": attack.paper, "run": str(view.run_dir), "method": view.info["method"],
         "threat_model": attack.threat_model, "threat_model_text": THREAT_MODELS[attack.threat_model][1],
         "knowledge_used": attack.needs.granted(), "seed": args.seed, "dip": attack.cfg.as_dict(),
+        "dip_levels_used": attack.cfg.depth_for(2 ** math.ceil(math.log2(view.dataset["image_size"]))),
         "batch": args.batch, "device": str(attack.device), **extra,
         "psnr_convention": "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately",
         "lpips": _lpips_note(),

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -346,4 +345,4 @@ def resume(run_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
     return trainer.run()
 
 
-__all__ = ["Trainer", "train", "resume", "resolve_device", "asdict"]
+__all__ = ["Trainer", "train", "resume", "resolve_device", "new_run_dir", "dir_size"]
