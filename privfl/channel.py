@@ -20,7 +20,24 @@ import torch
 from privfl.capture.message import Message
 from privfl.capture.store import TensorStore
 
-Mod = Callable[[Message], Message]
+class ChannelContext:
+    """What a mod may know about the system beside the message: what each party last received.
+
+    A defense on a parameter message (a client's model or head) acts on the *update*, i.e. the
+    difference to the state of the same kind that the sender last received; ``reference`` gives it.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+
+    def reference(self, msg: Message) -> dict[str, torch.Tensor] | None:
+        return self._last.get((msg.sender, msg.kind))
+
+    def delivered(self, msg: Message) -> None:
+        self._last[(msg.receiver, msg.kind)] = msg.tensors
+
+
+Mod = Callable[[Message, ChannelContext], Message]
 
 
 class Channel:
@@ -35,11 +52,12 @@ class Channel:
         self.mods = list(mods)
         self._seq = len(capture.records(strict=False)) if capture is not None else 0
         self._round_records: list[dict[str, Any]] = []
+        self.context = ChannelContext()
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
         """Transmit ``msg``; returns the receiver's copy (after mods)."""
         for mod in self.mods:
-            msg = mod(msg)
+            msg = mod(msg, self.context)
         record = {
             "round": msg.round,
             "sender": msg.sender,
@@ -63,7 +81,9 @@ class Channel:
                 truth,
             )
         self._round_records.append(record)
-        return self._deliver(msg)
+        delivered = self._deliver(msg)
+        self.context.delivered(delivered)
+        return delivered
 
     def broadcast(
         self,

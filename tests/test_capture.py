@@ -72,7 +72,7 @@ def test_channel_captures_what_left_after_mods_and_delivers_copies(tmp_path):
     cap = TensorStore(tmp_path / "capture", "capture", create=True)
     truth = TensorStore(tmp_path / "truth", "truth", create=True)
 
-    def add_one(m: Message) -> Message:  # a stand-in defense
+    def add_one(m: Message, ctx) -> Message:  # a stand-in defense
         return Message(m.round, m.sender, m.receiver, m.kind, {k: v + 1 for k, v in m.tensors.items()}, m.meta, m.aux)
 
     ch = Channel(cap, truth, mods=[add_one])
@@ -84,6 +84,7 @@ def test_channel_captures_what_left_after_mods_and_delivers_copies(tmp_path):
     delivered.tensors["rep"].zero_()
     assert torch.equal(cap.load(rec)["rep"], torch.arange(4.0) + 1)  # receiver cannot alias
     assert truth.records()[0]["message_seq"] == rec["seq"]
+    assert ch.context.reference(Message(1, "server", "client0", "ent_rep", {"x": torch.zeros(1)})) is not None
     assert "indices" not in rec["tensors"]  # ground truth never enters the capture
     out = ch.broadcast(0, ["client0", "client1"], "head", {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)})
     assert set(out) == {"client0", "client1"}
