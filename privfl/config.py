@@ -64,6 +64,7 @@ class TrainConfig:
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")
     knowledge_every: int = opt(0, "also store client extractors every N rounds (0: final round only)")
     progress: bool = opt(True, "show a progress bar")
+    defense: list[str] = field(default_factory=list, metadata={"help": "defense applied by the channel to outgoing messages, NAME[:k=v,...]; repeatable, applied in order (gaussian, clip, dp, topk, quantize, repnoise)"})
     options: dict[str, Any] = field(default_factory=dict, metadata={"help": "method-specific options"})
 
 
@@ -96,6 +97,11 @@ def _convert(cls: type, key: str, value: Any) -> Any:
     tp = field_types(cls)[key]
     if value is None:
         return None
+    if typing.get_origin(tp) is list:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"option {key}: expected a list of strings, got {value!r}")
+        return list(items)
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -121,11 +127,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, sk
             continue
         tp = field_types(cls)[f.name]
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
+        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if "choices" in f.metadata:
             help_text += f"; one of: {', '.join(f.metadata['choices'])}"
-        if tp is bool:
+        if typing.get_origin(tp) is list:
+            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar="SPEC", help=help_text)
+        elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, type=str, default=argparse.SUPPRESS, metavar=tp.__name__.upper(), help=help_text)

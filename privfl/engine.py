@@ -136,7 +136,10 @@ class Trainer:
             clients.append(Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device),
                                   torch.as_tensor(split.test[k], device=self.device)))
         self.clients = clients
-        self.channel = Channel(self.capture, self.truth)
+        from defenses import build_defenses
+
+        self.defenses = build_defenses(cfg.defense)
+        self.channel = Channel(self.capture, self.truth, mods=self.defenses)
         _Fault(self.channel)
         self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
         env = FLEnv(cfg, self.method_cls.Options(**cfg.options), clients, self.data, dataset.num_classes,
@@ -158,7 +161,9 @@ class Trainer:
         tmp = ckpt / f".{name}.tmp"
         save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
         os.replace(tmp, ckpt / name)
-        atomic_write_text(ckpt / "checkpoint.json", json.dumps({"round": rnd, "file": name, "history": self.history}) + "\n")
+        atomic_write_text(ckpt / "checkpoint.json", json.dumps({
+            "round": rnd, "file": name, "history": self.history, "defenses": [d.state() for d in self.defenses],
+        }) + "\n")
         for old in ckpt.glob("state-r*.safetensors"):
             if old.name != name:
                 old.unlink()
@@ -177,6 +182,8 @@ class Trainer:
             c.model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
         self.history = info["history"]
+        for defense, state in zip(self.defenses, info.get("defenses", [])):
+            defense.load_state(state)
         self.start_round = info["round"] + 1
         self._truncate_stores(info["round"])
 
@@ -247,6 +254,7 @@ class Trainer:
                 "broadcast_bytes": comm.get("down", {}).get("bytes", 0),
                 "comm": comm,
                 "client_acc": ev["client_acc"],
+                **({"defenses": {d.spec: d.report() for d in self.defenses}} if self.defenses else {}),
                 "seconds": round(time.perf_counter() - t0, 3),
             }
             self.history.append(entry)
@@ -280,6 +288,7 @@ class Trainer:
                 "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes")},
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
+            "defenses": final.get("defenses", {}),
             "capture_bytes": dir_size(self.run_dir / "capture"),
             "knowledge_bytes": dir_size(self.run_dir / "knowledge"),
             "run_dir": str(self.run_dir),

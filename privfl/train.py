@@ -140,6 +140,12 @@ def print_summary(s: dict) -> None:
     table.add_row("upload per round: bytes", _fmt_bytes(p["upload_bytes"]))
     table.add_row("broadcast per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['broadcast_scalars'])} / {_fmt_count(p['broadcast_scalars_full'])}")
     table.add_row("broadcast per round: bytes", _fmt_bytes(p["broadcast_bytes"]))
+    for spec, rep in s.get("defenses", {}).items():
+        eps = rep.get("epsilon")
+        text = f"{rep.get('defended_messages', 0)} messages defended"
+        if eps:
+            text += f"; epsilon max {max(eps.values()):.3g} (delta {rep['delta']:g}, {rep['accountant']})"
+        table.add_row(f"defense {spec}", text)
     table.add_row("capture on disk", _fmt_bytes(s["capture_bytes"]))
     table.add_row("run directory (also runs/latest)", s["run_dir"])
     Console().print(table)
