@@ -20,6 +20,7 @@ import torch
 from privfl.capture.message import Message
 from privfl.capture.store import TensorStore
 
+
 class ChannelContext:
     """What a mod may know about the system beside the message: what each party last received.
 
