@@ -143,7 +143,7 @@ def leak(
     start = time.perf_counter()
     best: LeakResult | None = None
     for restart in range(max(1, cfg.restarts)):
-        gen = torch.Generator().manual_seed(seed * 1000 + restart)
+        gen = torch.Generator().manual_seed((seed * 1000 + restart) % (2**63))
         x = torch.randn((batch_size, *input_shape), generator=gen).to(device).contiguous().requires_grad_(True)
         joint = labels is None
         y_logit = torch.randn((batch_size, num_classes), generator=gen).to(device).contiguous().requires_grad_(True)
@@ -174,7 +174,7 @@ def leak(
                 if not torch.isfinite(loss):
                     break
                 if progress:
-                    progress(step, float(loss))
+                    progress(step, float(loss.detach()))
                 if step % every == 0 or step == cfg.steps - 1:
                     snaps.append((step, x.detach().cpu().clone()))
         else:  # ig
@@ -192,7 +192,7 @@ def leak(
                     with torch.no_grad():
                         x.data = torch.max(torch.min(x, box[1].to(device)), box[0].to(device))
                 if progress:
-                    progress(step, float(loss))
+                    progress(step, float(loss.detach()))
                 if step % every == 0 or step == cfg.steps - 1:
                     snaps.append((step, x.detach().cpu().clone()))
         with torch.enable_grad():

@@ -36,4 +36,8 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         Knowledge(extractor=True),
         "honest-but-curious server that also holds each client's extractor (FedRE [000] Sec. 3)",
     ),
+    "curious-server-previous-state": (
+        Knowledge(previous_state=True, local_hyperparameters=True),
+        "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters",
+    ),
 }

@@ -38,8 +38,14 @@ class AttackerView:
         return self.info["dataset"]
 
     def available(self) -> Knowledge:
+        """What this run lets an attacker have. The previous state a server broadcast is in the
+        capture itself; the local hyperparameters are the run's config, which a server sets."""
         granted = set(self.info.get("knowledge", {}))
-        return Knowledge(extractor="extractor" in granted and self.knowledge_store is not None)
+        return Knowledge(
+            extractor="extractor" in granted and self.knowledge_store is not None,
+            previous_state=any(r["direction"] == "down" and r["kind"] == "model" for r in self._records),
+            local_hyperparameters=True,
+        )
 
     def kinds(self) -> list[str]:
         return sorted({r["kind"] for r in self._records})
@@ -62,6 +68,23 @@ class AttackerView:
 
     def load(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.capture.load(record)
+
+    def previous_state(self, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The last ``model`` message the sender of ``record`` received before sending it."""
+        client = record["sender"]
+        earlier = [r for r in self._records if r["kind"] == "model" and r["receiver"] == client and r["seq"] < record["seq"]]
+        if not earlier:
+            raise CaptureError(f"no model was sent to {client} before message {record['seq']}: no previous state to attack from")
+        return earlier[-1], self.load(earlier[-1])
+
+    def model_for(self, client: str):
+        """A fresh model of the client's architecture (what the server knows of it), eval mode."""
+        from privfl.models import build_model
+
+        k = int(client.removeprefix("client"))
+        ds, cfg = self.dataset, self.config
+        return build_model(self.info["archs"][k], in_channels=ds["channels"], num_classes=ds["num_classes"],
+                           image_size=ds["image_size"], rep_dim=cfg["rep_dim"], mapping=cfg["mapping"]).eval()
 
     # ---------------------------------------------------------------- knowledge
     def extractor_records(self) -> list[dict[str, Any]]:

@@ -71,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--data-root", help="where the run's dataset lives, if not where training found it (scoring only)")
     inv.add_argument("--name", help="output folder name under RUN/attacks/ (default from the artifact and round)")
     inv.add_argument("--no-progress", action="store_true")
+    for variant, text in (("dlg", "Deep Leakage from Gradients (L-BFGS, joint data+label)"),
+                          ("idlg", "improved DLG (label from the last layer, then data)"),
+                          ("ig", "Inverting Gradients (cosine + TV, signed Adam, boxed, restarts)")):
+        g = sub.add_parser(variant, parents=[common], help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        g.add_argument("--artifact", required=True, help="grad (FedSGD), update (FedNova) or model (FedAvg)")
+        g.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
+        g.add_argument("--clients", help="comma list of client ids; default: every sender of that round")
+        g.add_argument("--steps", type=int, help="optimisation steps (default: DLG/iDLG 300 L-BFGS steps, IG 4800)")
+        g.add_argument("--restarts", type=int, default=1)
+        g.add_argument("--lr", type=float, help="optimiser learning rate (default: DLG 1.0, IG 0.1)")
+        g.add_argument("--tv-weight", type=float, help="total variation weight (default: IG 0.1, DLG 0)")
+        g.add_argument("--batch-size", type=int, default=8, help="largest batch reconstructed from one message")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--device", default="auto")
+        g.add_argument("--data-root", help="where the run's dataset lives (scoring only)")
+        g.add_argument("--name", help="output folder name under RUN/attacks/")
+        g.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -111,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         ext = view.extractor_records()
         print(f"  extractors stored for rounds: {sorted({r['round'] for r in ext}) or 'none'}")
         return 0
+    if args.command in ("dlg", "idlg", "ig"):
+        return run_gradleak(args, view)
     if args.compare:
         return run_compare(args, view)
     return run_invert(args, view)
@@ -319,6 +338,87 @@ def run_compare(args, view) -> int:
     print(f"  ordering: {summary['ordering']}")
     print(f"  results: {final}/index.html")
     return 0
+
+
+def run_gradleak(args, view) -> int:
+    from attacks.gradleak import GradLeakConfig
+    from attacks.groundtruth import GroundTruth
+    from attacks.invert import PARAMETER_KINDS, GradientLeakage
+    from attacks.metrics import best_match, hungarian_match, score_images, summarize
+    from attacks.report import save_gallery, write_html, write_metrics
+    from privfl.engine import resolve_device
+
+    kind = args.artifact
+    valid = sorted({r for r in view.kinds() if r in PARAMETER_KINDS and any(m["direction"] == "up" for m in view.messages(r))})
+    if kind not in valid:
+        raise UnknownNameError(f"parameter-like artifact kind for {args.command} in this run", kind, valid)
+    ups = [r for r in view.messages(kind, None, parse_clients(args.clients)) if r["direction"] == "up"]
+    rounds = sorted({r["round"] for r in ups})
+    if not rounds:
+        raise ConfigError(f"no {kind} uploads from clients {args.clients}")
+    rnd = rounds[-1] if args.round is None else args.round
+    records = [r for r in ups if r["round"] == rnd]
+    if not records:
+        raise ConfigError(f"round {rnd} has no {kind} uploads; rounds with them: {rounds[0]}..{rounds[-1]}")
+    overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "restarts": args.restarts}.items() if v is not None}
+    cfg = GradLeakConfig.preset(args.command, **overrides)
+    attack = GradientLeakage(args.command, cfg, seed=args.seed, device=resolve_device(args.device), max_batch=args.batch_size)
+    attack.check(view)
+    for rec in records:
+        view.previous_state(rec)  # fail before optimising if a round has no previous state
+    bar, hook = _progress_bar(args, len(records) * cfg.steps, f"{args.command} on {len(records)} message(s)")
+    leaks = []
+    for rec in records:
+        leaks.append(attack.run(view, rec, progress=lambda step, loss, rec=rec: hook(rec["sender"], step, cfg.steps, loss)))
+    bar.close()
+    truth = GroundTruth(view.run_dir, args.data_root)  # opened only now, for scoring
+    rows, truth_row, final_row, snap_rows, labels = [], [], [], {}, []
+    for lk in leaks:
+        t = truth.message_truth(lk.record["seq"])
+        cand = truth.images(t["indices"])
+        exact = len(t["indices"]) == lk.batch_size
+        pairs = hungarian_match(lk.images, cand) if exact else [(i, best_match(lk.images[i], cand)[0]) for i in range(len(lk.images))]
+        for i, j in pairs:
+            s = {k: v[0] for k, v in score_images(lk.images[i : i + 1], cand[j : j + 1]).items()}
+            rows.append({"client": lk.record["sender"], "round": rnd, "message_seq": lk.record["seq"], "image": i, "matched_truth": int(t["indices"][j]),
+                         "matching": "hungarian over the exact batch" if exact else "best match in the client's data",
+                         "label_recovered": int(lk.labels[i]), "label_source": lk.label_source, "seconds": lk.seconds / len(pairs), **s})
+            truth_row.append(cand[j])
+            final_row.append(lk.images[i])
+            labels.append(f"PSNR {s['psnr']:.1f} dB")
+            for step, x in lk.snapshots[:-1]:
+                snap_rows.setdefault(step, []).append(x[i])
+    summary = {"images": len(rows), "messages": len(leaks), "seconds_per_message": round(sum(lk.seconds for lk in leaks) / len(leaks), 2),
+               **summarize({m: [r[m] for r in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim") })}
+    name = args.name or f"{args.command}-{kind}-r{rnd}"
+    final = view.run_dir / "attacks" / name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
+    steps = sorted(snap_rows)
+    shown = [steps[i] for i in sorted({0, len(steps) // 2, len(steps) - 1})] if steps else []
+    gallery_rows = [(f"step {st}", torch.stack(snap_rows[st])) for st in shown] + [(f"{args.command} final", torch.stack(final_row))]
+    save_gallery(folder / "gallery.png", torch.stack(truth_row), gallery_rows,
+                 captions=[f"{r['client']}" for r in rows], title=f"{args.command} on {kind} ({view.info['method']}, round {rnd})",
+                 per_image_labels={f"{args.command} final": labels})
+    protocol = {**_protocol_base(args, view, attack), "artifact": kind, "round": rnd, "config": cfg.as_dict(),
+                "target": leaks[0].target_note, "batch_size": leaks[0].batch_size}
+    write_metrics(folder, rows, summary, protocol)
+    write_html(folder, f"{args.command} on {kind}: {view.info['method']} round {rnd}",
+               [{"heading": f"{kind} r{rnd}", "protocol": protocol, "images": "gallery.png", "summary": summary}])
+    final = _finish(folder, final)
+    print(f"{args.command} on {kind} r{rnd}: {len(rows)} image(s) from {len(leaks)} message(s), {summary['seconds_per_message']:.1f} s per message")
+    print(f"  PSNR {summary['psnr']:.2f} dB (0-255 MSE {summary['mse255']:.1f}), SSIM {summary['ssim']:.3f}")
+    print(f"  results: {final}/index.html")
+    return 0
+
+
+def _protocol_base(args, view, attack) -> dict:
+    from attacks.threat import THREAT_MODELS
+
+    return {"attack": attack.name, "paper": attack.paper, "run": str(view.run_dir), "method": view.info["method"],
+            "threat_model": attack.threat_model, "threat_model_text": THREAT_MODELS[attack.threat_model][1],
+            "knowledge_used": attack.needs.granted(), "seed": args.seed, "device": str(attack.device),
+            "psnr_convention": "per image, then averaged", "lpips": _lpips_note()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""privfl.attack dlg|idlg|ig on captured FedSGD/FedNova/FedAvg messages, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from privfl.attack import main as attack_main
+from privfl.cli import run_cli
+from privfl.train import main as train_main
+
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    out = tmp_path_factory.mktemp("gl")
+    common = ["--subsample", "600", "--partition", "iid", "--rounds", "1", "--no-progress", "--model-group", "homo-cnn4", "--out-dir", str(out)]
+    for method, extra in (("fedsgd", ["--batch-size", "1"]), ("fednova", []), ("fedavg", []), ("fedre", [])):
+        assert train_main([method, *common, *extra, "--run-name", method]) == 0
+    return out
+
+
+def test_dlg_on_a_fedsgd_gradient_recovers_the_image(runs):
+    assert attack_main(["dlg", "--artifact", "grad", "--run", str(runs / "fedsgd"), "--clients", "0", "--steps", "15", "--no-progress"]) == 0
+    data = json.loads((runs / "fedsgd" / "attacks" / "dlg-grad-r0" / "metrics.json").read_text())
+    assert data["summary"]["psnr"] > 15 and data["images"][0]["matching"].startswith("hungarian")
+    assert data["protocol"]["threat_model"] == "curious-server-previous-state"
+
+
+@pytest.mark.parametrize("variant,method,kind", [("idlg", "fednova", "update"), ("ig", "fedavg", "model")])
+def test_variants_run_on_updates_and_models(runs, variant, method, kind):
+    assert attack_main([variant, "--artifact", kind, "--run", str(runs / method), "--clients", "1", "--steps", "3",
+                        "--batch-size", "2", "--no-progress"]) == 0
+    folder = runs / method / "attacks" / f"{variant}-{kind}-r0"
+    data = json.loads((folder / "metrics.json").read_text())
+    assert len(data["images"]) == 2 and (folder / "gallery.png").exists()
+
+
+def test_bad_input(runs, capsys):
+    def err(argv):
+        code = run_cli("privfl.attack", lambda: attack_main(argv))
+        text = capsys.readouterr().err.strip()
+        assert code == 2 and len(text.splitlines()) == 1, text
+        return text
+
+    assert "grad" in err(["dlg", "--artifact", "ent_rep", "--run", str(runs / "fedsgd")])
+    assert "accepted: (none)" in err(["dlg", "--artifact", "update", "--run", str(runs / "fedre")])
+    assert "round 5" in err(["ig", "--artifact", "model", "--round", "5", "--run", str(runs / "fedavg")])
