@@ -209,6 +209,40 @@ class FLMethod:
         return torch.cat(reps), torch.cat(labels)  # (n, d), (n,)
 
 
+class GlobalModelServer(FLMethod):
+    """A server that owns the global model and broadcasts it in full to every client.
+
+    The global model is built from client 0's spec with its own seed (as FedAvg does), so every
+    client starts from the same weights once the setup broadcast is loaded.
+    """
+
+    requires_homogeneous = True
+
+    def __init__(self, env):
+        super().__init__(env)
+        from privfl.models import build_model
+
+        seed_global(self.cfg.seed, "init", "server-model")
+        self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
+
+    def setup(self) -> None:
+        self.broadcast(0, "setup")
+
+    def broadcast(self, rnd: int, phase: str = "train") -> None:
+        """Send the full global state dict to every client; each loads its delivered copy."""
+        delivered = self.channel.broadcast(
+            rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}
+        )
+        for client in self.env.clients:
+            load_module_tensors(client.model, delivered[client.name].tensors)
+
+    def server_state(self) -> dict[str, torch.Tensor]:
+        return module_tensors(self.global_model)
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        load_module_tensors(self.global_model, state)
+
+
 def class_prototypes(
     reps: torch.Tensor, labels: torch.Tensor, num_classes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,8 +22,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, module_tensors
-from privfl.methods.fedsgd import GlobalModelServer
+from privfl.methods.base import METHODS, Client, GlobalModelServer, module_tensors
 
 
 def local_steps(num_samples: int, batch_size: int, local_epochs: int) -> int:

@@ -5,7 +5,7 @@ upload is the gradient of the mean cross-entropy of ONE batch of ``batch_size`` 
 the global model, and the attacker (the server) knows that model because it broadcast it (the
 ``model`` messages are in the capture; the setup broadcast is round 0's starting point).
 
-Also home of :class:`GlobalModelServer`, the part FedSGD and FedNova share: a server-held global
+Built on :class:`~privfl.methods.base.GlobalModelServer`, the part FedSGD, FedNova and FedAvg share: a server-held global
 model, broadcast as ``model`` before round 0 (meta ``phase=setup``) and after every round.
 """
 
@@ -18,42 +18,8 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, GlobalModelServer
 from privfl.seeding import seed_global, torch_generator
-
-
-class GlobalModelServer(FLMethod):
-    """A server that owns the global model and broadcasts it in full to every client.
-
-    The global model is built from client 0's spec with its own seed (as FedAvg does), so every
-    client starts from the same weights once the setup broadcast is loaded.
-    """
-
-    requires_homogeneous = True
-
-    def __init__(self, env):
-        super().__init__(env)
-        from privfl.models import build_model
-
-        seed_global(self.cfg.seed, "init", "server-model")
-        self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
-
-    def setup(self) -> None:
-        self.broadcast(0, "setup")
-
-    def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """Send the full global state dict to every client; each loads its delivered copy."""
-        delivered = self.channel.broadcast(
-            rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}
-        )
-        for client in self.env.clients:
-            load_module_tensors(client.model, delivered[client.name].tensors)
-
-    def server_state(self) -> dict[str, torch.Tensor]:
-        return module_tensors(self.global_model)
-
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_module_tensors(self.global_model, state)
 
 
 @dataclass

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client, FLMethod, load_module_tensors, module_tensors
-from privfl.seeding import seed_global
+from privfl.methods.base import METHODS, Client, FLMethod, GlobalModelServer, module_tensors
 
 
 @METHODS.register("local")
@@ -23,7 +22,7 @@ class Local(FLMethod):
 
 
 @METHODS.register("fedavg")
-class FedAvg(FLMethod):
+class FedAvg(GlobalModelServer):
     """Clients upload full models; the server averages them weighted by train-set size and
     broadcasts the result to every client. Integer buffers (BatchNorm's counters) are averaged and
     rounded."""
@@ -32,21 +31,6 @@ class FedAvg(FLMethod):
     sends = {"model": "up/down"}
     requires_homogeneous = True
     paper = "McMahan et al., FedAvg, AISTATS 2017"
-
-    def __init__(self, env):
-        super().__init__(env)
-        from privfl.models import build_model
-
-        seed_global(self.cfg.seed, "init", "server-model")
-        self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
-
-    def setup(self) -> None:
-        self.broadcast(0, "setup")
-
-    def broadcast(self, rnd: int, phase: str = "train") -> None:
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase})
-        for client in self.env.clients:
-            load_module_tensors(client.model, delivered[client.name].tensors)
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         total_weight = 0.0
@@ -69,9 +53,3 @@ class FedAvg(FLMethod):
         self.global_model.load_state_dict(averaged)
         self.broadcast(rnd)
         return {"train_loss": sum(losses) / max(len(losses), 1)}
-
-    def server_state(self) -> dict[str, torch.Tensor]:
-        return module_tensors(self.global_model)
-
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_module_tensors(self.global_model, state)
