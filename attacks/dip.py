@@ -196,7 +196,6 @@ def invert(
     noise_gen = torch.Generator(device=device).manual_seed(int(seeds[0]) ^ 0x5EED)
     cudnn = torch.backends.cudnn.flags(enabled=False) if not cfg.cudnn else contextlib.nullcontext()
     start = time.perf_counter()
-    per_target = torch.zeros(b, device=device, dtype=dtype)
     with cudnn:
         for step in range(cfg.steps):
             net_in = z

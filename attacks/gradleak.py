@@ -27,7 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from attacks.base import ATTACKS, require_knowledge
+from attacks.threat import Knowledge
+from attacks.view import AttackerView
 from privfl.errors import ConfigError
+from privfl.seeding import derive_seed
 
 VARIANTS = ("dlg", "idlg", "ig")
 
@@ -211,3 +215,82 @@ def leak(
 
 def _param_names_all(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
+
+
+PARAMETER_KINDS = frozenset({"grad", "update", "model"})
+
+
+@dataclass
+class Leak:
+    record: dict
+    images: torch.Tensor  # (B, C, H, W) in [0, 1]
+    labels: torch.Tensor
+    snapshots: list[tuple[int, torch.Tensor]]  # in [0, 1]
+    seconds: float
+    label_source: str
+    batch_size: int
+    target_note: str
+
+
+class GradientLeakage:
+    """DLG / iDLG / Inverting Gradients on a captured gradient, update or model message.
+
+    Knowledge: the model architecture and the parameters the attacker (the server) broadcast last,
+    both available to a server, plus the local hyperparameters it set. What is matched:
+    - ``grad`` (FedSGD): the gradient itself, batch size from the message;
+    - ``update`` (FedNova's normalised update d = (x - x_k)/a): d / lr, the mean local gradient
+      (exact for one local step);
+    - ``model`` (FedAvg): (x_prev - x_k) / (lr * tau), the mean local gradient over tau steps.
+    For updates and models the batch is the client's data (``--batch-size`` caps it).
+    """
+
+    consumes = PARAMETER_KINDS
+    needs = Knowledge(previous_state=True, local_hyperparameters=True)
+    threat_model = "curious-server-previous-state"
+    paper = ""
+
+    def __init__(self, variant: str, cfg, *, seed: int = 0, device="cpu", max_batch: int = 8):
+        self.variant, self.cfg, self.seed, self.device, self.max_batch = variant, cfg, seed, torch.device(device), max_batch
+        self.name = variant
+        self.paper = {"dlg": "Zhu et al., NeurIPS 2019", "idlg": "Zhao et al., arXiv 2001.02610", "ig": "Geiping et al., NeurIPS 2020"}[variant]
+
+    def check(self, view: AttackerView) -> None:
+        require_knowledge(self, view)
+
+    def target(self, view: AttackerView, record: dict, prev: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, str]:
+        """The gradient-like tensors to match, the batch they stand for, and how they were derived."""
+        tensors = view.load(record)
+        meta, cfg = record.get("meta", {}), view.config
+        if record["kind"] == "grad":
+            return tensors, int(meta.get("batch_size", cfg["batch_size"])), "the gradient as sent"
+        n = int(meta.get("num_samples", cfg["batch_size"]))
+        lr = float(meta.get("lr", cfg["lr"]))
+        if record["kind"] == "update":
+            return {k: v.float() / lr for k, v in tensors.items() if v.is_floating_point()}, n, "update d / lr (mean local gradient)"
+        tau = max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
+        grads = {k: (prev[k].float() - v.float()) / (lr * tau) for k, v in tensors.items() if v.is_floating_point()}
+        return grads, n, f"(previous model - model) / (lr * {tau} local steps)"
+
+    def run(self, view: AttackerView, record: dict, progress=None) -> Leak:
+        """Attack one message; call :meth:`check` once before."""
+        _, prev = view.previous_state(record)
+        model = view.model_for(record["sender"])
+        model.load_state_dict(prev)
+        target, n, note = self.target(view, record, prev)
+        names = {n_ for n_, _ in model.named_parameters()}
+        target = {k: v for k, v in target.items() if k in names}
+        batch = max(1, min(n, self.max_batch))
+        ds = view.dataset
+        mean = torch.tensor(ds["mean"]).view(1, -1, 1, 1)
+        std = torch.tensor(ds["std"]).view(1, -1, 1, 1)
+        box = ((0 - mean) / std, (1 - mean) / std)
+        result = leak(model, target, (ds["channels"], ds["image_size"], ds["image_size"]), ds["num_classes"], self.cfg,
+                      batch_size=batch, box=box, seed=derive_seed(self.seed, self.variant, record["seq"]), device=self.device,
+                      progress=progress)
+        to01 = lambda x: (x * std + mean).clamp(0, 1)  # noqa: E731
+        return Leak(record, to01(result.images), result.labels, [(s, to01(x)) for s, x in result.snapshots], result.seconds,
+                    result.label_source, batch, note)
+
+
+for _variant in VARIANTS:
+    ATTACKS.register(_variant, GradientLeakage)

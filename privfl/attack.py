@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from privfl.capture import KINDS
 from privfl.cli import run_cli
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
 
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = resolve_run(args.run, args.out_dir)
     view = AttackerView(run_dir)
     if args.command == "list":
-        from attacks.invert import ATTACKS
+        from attacks import ATTACKS
 
         print(f"run {run_dir}: method {view.info['method']}, knowledge: {', '.join(view.available().granted()) or 'none'}")
         for kind in view.kinds():
@@ -166,16 +165,12 @@ def _attack(args, view, targets):
 
 
 def _protocol(args, view, attack, extra: dict) -> dict:
-    from attacks.threat import THREAT_MODELS
-
+    """What an inversion result records: the shared protocol plus the DIP settings actually used."""
     return {
-        "attack": attack.name, "paper": attack.paper, "run": str(view.run_dir), "method": view.info["method"],
-        "threat_model": attack.threat_model, "threat_model_text": THREAT_MODELS[attack.threat_model][1],
-        "knowledge_used": attack.needs.granted(), "seed": args.seed, "dip": attack.cfg.as_dict(),
+        **_protocol_base(args, view, attack), "dip": attack.cfg.as_dict(),
         "dip_levels_used": attack.cfg.depth_for(2 ** math.ceil(math.log2(view.dataset["image_size"]))),
-        "batch": args.batch, "device": str(attack.device), **extra,
+        "batch": args.batch, **extra,
         "psnr_convention": "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately",
-        "lpips": _lpips_note(),
     }
 
 
@@ -208,9 +203,8 @@ def run_invert(args, view) -> int:
 
     kind = args.artifact
     valid = representation_kinds(view)
-    if kind not in KINDS or kind not in valid:
-        what = "artifact kind" if kind in KINDS else "artifact kind"
-        raise UnknownNameError(f"{what} for inversion in this run", kind, valid)
+    if kind not in valid:
+        raise UnknownNameError("artifact kind for inversion in this run", kind, valid)
     rounds = view.rounds(kind)
     rnd = rounds[-1] if args.round is None else args.round
     if rnd not in rounds:
@@ -341,9 +335,8 @@ def run_compare(args, view) -> int:
 
 
 def run_gradleak(args, view) -> int:
-    from attacks.gradleak import GradLeakConfig
+    from attacks.gradleak import PARAMETER_KINDS, GradientLeakage, GradLeakConfig
     from attacks.groundtruth import GroundTruth
-    from attacks.invert import PARAMETER_KINDS, GradientLeakage
     from attacks.metrics import best_match, hungarian_match, score_images, summarize
     from attacks.report import save_gallery, write_html, write_metrics
     from privfl.engine import resolve_device

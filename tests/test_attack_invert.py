@@ -83,7 +83,7 @@ def test_attack_code_never_reads_ground_truth(fedre_run, monkeypatch):
     recons = attack.reconstruct(targets, view)
     assert len(recons) == 1 and recons[0].image.shape == (1, 28, 28)
     # and statically: no attack-side module imports the ground-truth or partition code
-    for name in ("dip", "invert", "targets", "view", "threat"):
+    for name in ("base", "dip", "invert", "gradleak", "targets", "view", "threat"):
         tree = ast.parse((Path(invert_mod.__file__).parent / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
