@@ -31,6 +31,7 @@ import torch
 
 from privfl.capture import KINDS, Message
 from privfl.channel import ChannelContext
+from privfl.config import parse_scalar
 from privfl.errors import ConfigError
 from privfl.registry import Registry
 
@@ -110,30 +111,12 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         origin = typing.get_origin(hint)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{field} must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{field} must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{field} must be a number, got {value!r}")
+    wording = {bool: "true or false", int: "an integer", float: "a number"}
+    if hint in wording:
+        try:
+            return parse_scalar(value, hint)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{field} must be {wording[hint]}, got {value!r}") from None
     if origin is frozenset:
         return value  # validated against its vocabulary by DefenseParams.__post_init__
     return value

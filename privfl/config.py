@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -103,20 +104,46 @@ def _convert(cls: type, key: str, value: Any) -> Any:
             raise ConfigError(f"option {key}: expected a list of strings, got {value!r}")
         return list(items)
     try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes"):
-                return True
-            if str(value).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
-        if tp in (int, float, str):
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return tp(value)
+        return parse_scalar(value, tp)
     except (TypeError, ValueError):
         raise ConfigError(f"option {key}: {value!r} is not a valid {tp.__name__}") from None
+
+
+def parse_scalar(value: Any, tp: Any) -> Any:
+    """``value`` (a flag, a spec string, or a TOML/YAML value) as bool, int, float or str.
+
+    The one set of parsing rules for run options and defense parameters: ints accept whole floats
+    (TOML/YAML may write ``8.0``) but not bools, floats must be finite. Raises ValueError/TypeError;
+    callers word the error. Other types pass through unchanged.
+    """
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes"):
+            return True
+        if text in ("false", "0", "no"):
+            return False
+        raise ValueError(value)
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return int(value.strip())
+        raise ValueError(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        out = float(value.strip() if isinstance(value, str) else value)
+        if not math.isfinite(out):
+            raise ValueError(value)
+        return out
+    if tp is str:
+        return str(value)
     return value
 
 
