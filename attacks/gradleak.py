@@ -217,7 +217,8 @@ def _param_names_all(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-PARAMETER_KINDS = frozenset({"grad", "update", "model"})
+#: every kind a method may declare in ``FLMethod.parameter_kinds`` (what `attack list` offers gradient leakage for)
+PARAMETER_KINDS = frozenset({"grad", "update", "model", "small_model", "layer", "learngene"})
 
 
 @dataclass
@@ -268,14 +269,18 @@ class GradientLeakage:
         if record["kind"] == "update":
             return {k: v.float() / lr for k, v in tensors.items() if v.is_floating_point()}, n, "update d / lr (mean local gradient)"
         tau = max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
-        grads = {k: (prev[k].float() - v.float()) / (lr * tau) for k, v in tensors.items() if v.is_floating_point()}
-        return grads, n, f"(previous model - model) / (lr * {tau} local steps)"
+        if self.cfg.local_steps > 1:  # the unrolled objective models the steps itself: match prev - new, per lr
+            return ({k: (prev[k].float() - v.float()) / lr for k, v in tensors.items() if v.is_floating_point() and k in prev}, n,
+                    f"(previous {record['kind']} - {record['kind']}) / lr, matched by {self.cfg.local_steps} unrolled steps")
+        grads = {k: (prev[k].float() - v.float()) / (lr * tau) for k, v in tensors.items() if v.is_floating_point() and k in prev}
+        return grads, n, f"(previous {record['kind']} - {record['kind']}) / (lr * {tau} local steps)"
 
     def run(self, view: AttackerView, record: dict, progress=None) -> Leak:
         """Attack one message; call :meth:`check` once before."""
         _, prev = view.previous_state(record)
-        model = view.model_for(record["sender"])
-        model.load_state_dict(prev)
+        model = view.model_for(record["sender"], record["kind"])
+        own = model.state_dict()
+        model.load_state_dict({k: v for k, v in prev.items() if k in own}, strict=False)
         target, n, note = self.target(view, record, prev)
         names = {n_ for n_, _ in model.named_parameters()}
         target = {k: v for k, v in target.items() if k in names}

@@ -43,7 +43,8 @@ class AttackerView:
         granted = set(self.info.get("knowledge", {}))
         return Knowledge(
             extractor="extractor" in granted and self.knowledge_store is not None,
-            previous_state=any(r["direction"] == "down" and r["kind"] == "model" for r in self._records),
+            previous_state=any(r["receiver"] != "server" and r["kind"] in set(self.parameter_kinds().values())
+                               for r in self._records),
             local_hyperparameters=True,
         )
 
@@ -69,22 +70,42 @@ class AttackerView:
     def load(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.capture.load(record)
 
+    @property
+    def method_cls(self):
+        """The trained method's class: it says which kinds carry parameters and how its models are built."""
+        from privfl.methods import resolve_method
+
+        return resolve_method(self.info["method"])
+
+    def parameter_kinds(self) -> dict[str, str]:
+        """Parameter-like kinds this run's method sends, each with the kind that holds its previous state."""
+        return dict(self.method_cls.parameter_kinds)
+
     def previous_state(self, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The last ``model`` message the sender of ``record`` received before sending it."""
+        """The last message of the previous-state kind (``model`` for a star method's update; a
+        Learngene for a ring neighbour's Learngene...) that the sender of ``record`` received before
+        sending it."""
         client = record["sender"]
-        earlier = [r for r in self._records if r["kind"] == "model" and r["receiver"] == client and r["seq"] < record["seq"]]
+        prev_kind = self.parameter_kinds().get(record["kind"], "model")
+        earlier = [r for r in self._records if r["kind"] == prev_kind and r["receiver"] == client and r["seq"] < record["seq"]]
         if not earlier:
-            raise CaptureError(f"no model was sent to {client} before message {record['seq']}: no previous state to attack from")
+            raise CaptureError(f"no {prev_kind} was sent to {client} before message {record['seq']}: no previous state to attack from")
         return earlier[-1], self.load(earlier[-1])
 
-    def model_for(self, client: str):
-        """A fresh model of the client's architecture (what the server knows of it), eval mode."""
-        from privfl.models import build_model
+    def model_request(self, client: str):
+        """What the attacker knows of a client's model: architecture, dataset shape, run options."""
+        from privfl.config import build_config
+        from privfl.methods import ModelRequest
 
         k = int(client.removeprefix("client"))
-        ds, cfg = self.dataset, self.config
-        return build_model(self.info["archs"][k], in_channels=ds["channels"], num_classes=ds["num_classes"],
-                           image_size=ds["image_size"], rep_dim=cfg["rep_dim"], mapping=cfg["mapping"]).eval()
+        ds, method_cls = self.dataset, self.method_cls
+        cfg = build_config(self.config, getattr(method_cls, "Options", None))
+        return ModelRequest(self.info["archs"][k], k, ds["channels"], ds["num_classes"], ds["image_size"], cfg,
+                            method_cls.Options(**cfg.options))
+
+    def model_for(self, client: str, kind: str = "model"):
+        """A fresh module of what a ``kind`` message of the client carries, eval mode, random weights."""
+        return self.method_cls.leakage_module(kind, self.model_request(client)).eval()
 
     # ---------------------------------------------------------------- knowledge
     def extractor_records(self) -> list[dict[str, Any]]:

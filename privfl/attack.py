@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                           ("idlg", "improved DLG (label from the last layer, then data)"),
                           ("ig", "Inverting Gradients (cosine + TV, signed Adam, boxed, restarts)")):
         g = sub.add_parser(variant, parents=[common], help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        g.add_argument("--artifact", required=True, help="grad (FedSGD), update (FedNova) or model (FedAvg)")
+        g.add_argument("--artifact", required=True,
+                       help="a parameter-like kind the run's method sends: grad (FedSGD), update (FedNova), model (FedAvg), "
+                            "small_model (FedMRL), layer (FedFree), learngene (DRDFL)")
         g.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
         g.add_argument("--clients", help="comma list of client ids; default: every sender of that round")
         g.add_argument("--steps", type=int, help="optimisation steps (default: DLG/iDLG 300 L-BFGS steps, IG 4800)")
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--lr", type=float, help="optimiser learning rate (default: DLG 1.0, IG 0.1)")
         g.add_argument("--tv-weight", type=float, help="total variation weight (default: IG 0.1, DLG 0)")
         g.add_argument("--batch-size", type=int, default=8, help="largest batch reconstructed from one message")
+        g.add_argument("--local-steps", default="1",
+                       help="unroll this many local SGD steps (at the run's lr) to match a multi-step update or model "
+                            "(Inverting Gradients' FedAvg variant); 'auto' = the local steps the run's config implies")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--device", default="auto")
         g.add_argument("--data-root", help="where the run's dataset lives (scoring only)")
@@ -335,17 +340,19 @@ def run_compare(args, view) -> int:
 
 
 def run_gradleak(args, view) -> int:
-    from attacks.gradleak import PARAMETER_KINDS, GradientLeakage, GradLeakConfig
+    from attacks.gradleak import GradientLeakage, GradLeakConfig
     from attacks.groundtruth import GroundTruth
     from attacks.metrics import best_match, hungarian_match, score_images, summarize
     from attacks.report import save_gallery, write_html, write_metrics
     from privfl.engine import resolve_device
 
     kind = args.artifact
-    valid = sorted({r for r in view.kinds() if r in PARAMETER_KINDS and any(m["direction"] == "up" for m in view.messages(r))})
+    sent_by_clients = ("up", "peer")
+    param_kinds = view.parameter_kinds()
+    valid = sorted({r for r in view.kinds() if r in param_kinds and any(m["direction"] in sent_by_clients for m in view.messages(r))})
     if kind not in valid:
         raise UnknownNameError(f"parameter-like artifact kind for {args.command} in this run", kind, valid)
-    ups = [r for r in view.messages(kind, None, parse_clients(args.clients)) if r["direction"] == "up"]
+    ups = [r for r in view.messages(kind, None, parse_clients(args.clients)) if r["direction"] in sent_by_clients]
     rounds = sorted({r["round"] for r in ups})
     if not rounds:
         raise ConfigError(f"no {kind} uploads from clients {args.clients}")
@@ -353,7 +360,9 @@ def run_gradleak(args, view) -> int:
     records = [r for r in ups if r["round"] == rnd]
     if not records:
         raise ConfigError(f"round {rnd} has no {kind} uploads; rounds with them: {rounds[0]}..{rounds[-1]}")
-    overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "restarts": args.restarts}.items() if v is not None}
+    local_steps = _local_steps(args.local_steps, view, records)
+    overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "restarts": args.restarts,
+                                   "local_steps": local_steps, "local_lr": float(view.config["lr"])}.items() if v is not None}
     cfg = GradLeakConfig.preset(args.command, **overrides)
     attack = GradientLeakage(args.command, cfg, seed=args.seed, device=resolve_device(args.device), max_batch=args.batch_size)
     attack.check(view)
@@ -403,6 +412,22 @@ def run_gradleak(args, view) -> int:
     print(f"  PSNR {summary['psnr']:.2f} dB (0-255 MSE {summary['mse255']:.1f}), SSIM {summary['ssim']:.3f}")
     print(f"  results: {final}/index.html")
     return 0
+
+
+def _local_steps(text: str, view, records: list[dict]) -> int:
+    """``--local-steps``: an integer >= 1, or ``auto`` for local_epochs * ceil(samples / batch) of the
+    first attacked message (what the server that set the hyperparameters would assume)."""
+    if text == "auto":
+        cfg, meta = view.config, records[0].get("meta", {})
+        n = int(meta.get("num_samples", cfg["batch_size"]))
+        return max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ConfigError(f"--local-steps must be a positive integer or 'auto', got {text!r}")
+    return steps
 
 
 def _protocol_base(args, view, attack) -> dict:

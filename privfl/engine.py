@@ -25,7 +25,7 @@ from privfl.capture.store import TensorStore, atomic_write_text
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError
-from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, resolve_method
+from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, resolve_method
 from privfl.runs import mark_latest
 from privfl.seeding import numpy_rng, seed_global
 
@@ -74,7 +74,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False):
         from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
         from privfl.data.partition import ClientSplit
-        from privfl.models import assign_archs, build_model
+        from privfl.models import assign_archs
 
         self.cfg, self.run_dir = cfg, run_dir
         self.method_cls = resolve_method(cfg.method)
@@ -128,11 +128,13 @@ class Trainer:
                            title=f"{cfg.dataset}: {cfg.partition} partition, {cfg.num_clients} clients")
 
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
+        opts = self.method_cls.Options(**cfg.options)
         clients = []
         for k, arch in enumerate(archs):
             seed_global(cfg.seed, "init", k)
-            model = build_model(arch, in_channels=dataset.channels, num_classes=dataset.num_classes,
-                                image_size=dataset.image_size, rep_dim=cfg.rep_dim, mapping=cfg.mapping).to(self.device)
+            model = self.method_cls.build_client_model(
+                ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
+            ).to(self.device)
             clients.append(Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device),
                                   torch.as_tensor(split.test[k], device=self.device)))
         self.clients = clients
@@ -142,7 +144,7 @@ class Trainer:
         self.channel = Channel(self.capture, self.truth, mods=self.defenses)
         _Fault(self.channel)
         self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
-        env = FLEnv(cfg, self.method_cls.Options(**cfg.options), clients, self.data, dataset.num_classes,
+        env = FLEnv(cfg, opts, clients, self.data, dataset.num_classes,
                     self.device, self.channel, self.knowledge)
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []

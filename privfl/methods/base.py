@@ -93,6 +93,20 @@ class KnowledgeRecorder:
         )
 
 
+@dataclass(frozen=True)
+class ModelRequest:
+    """What a client's model is built from: the same on the training side (engine) and on the
+    attacker's side (:class:`attacks.view.AttackerView`, which knows the architecture, not the weights)."""
+
+    arch: str
+    index: int
+    in_channels: int
+    num_classes: int
+    image_size: int
+    cfg: Any  # privfl.config.TrainConfig
+    opts: Any  # the method's Options instance
+
+
 @dataclass
 class FLEnv:
     """Everything a method may use: its own clients, data access, the channel and the knowledge log."""
@@ -128,6 +142,32 @@ class FLMethod:
             raise ConfigError(
                 f"{self.name} needs identical client models, got {', '.join(archs)}; use --model-group homo-cnn4"
             )
+
+    # -------------------------------------------------------------- models
+    @classmethod
+    def build_client_model(cls, req: ModelRequest) -> nn.Module:
+        """Client ``req.index``'s model, with the global RNG already seeded by the caller.
+
+        The default is a :class:`privfl.models.SplitModel` of the assigned architecture; methods
+        with their own model structure (extra modules, private projectors) override this. The
+        returned module's ``state_dict`` is what checkpoints save.
+        """
+        from privfl.models import build_model
+
+        return build_model(req.arch, in_channels=req.in_channels, num_classes=req.num_classes,
+                           image_size=req.image_size, rep_dim=req.cfg.rep_dim, mapping=req.cfg.mapping)
+
+    #: message kinds whose tensors are parameters (or gradients/updates of parameters) of a module
+    #: the attacker can rebuild, mapped to the kind of the message that gives the previous state
+    #: (what the sender last received). Gradient-leakage attacks accept exactly these kinds.
+    parameter_kinds: ClassVar[dict[str, str]] = {"grad": "model", "update": "model", "model": "model"}
+
+    @classmethod
+    def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
+        """The module whose parameters a ``kind`` message carries, mapping images to logits (the loss
+        a gradient-leakage attacker differentiates). Its parameter names match the message's tensor
+        names. Default: the whole client model."""
+        return cls.build_client_model(req)
 
     # -------------------------------------------------------------- protocol
     def setup(self) -> None:
