@@ -5,7 +5,9 @@
   matches the observed one in squared L2 distance.
 - ``idlg``: improved DLG (Zhao, Mopuri, Bilen, 2020): the label of a single image is read off the
   last layer's weight gradient (its row for the true class is the only one with a negative sum when
-  the features are non-negative), then only the data is optimised.
+  the features are non-negative), then only the data is optimised. For a batch, ``idlg`` and ``ig``
+  read the labels off the same layer by Yin et al.'s row-minimum rule (:func:`batch_labels`) unless
+  ``batch_label_rule="joint"``.
 - ``ig``: Inverting Gradients (Geiping et al., NeurIPS 2020): cosine distance between gradients plus a
   total-variation prior, Adam on the *sign* of the gradient, the image boxed to the data range after
   every step, learning-rate drops at 3/8, 5/8 and 7/8 of the steps, several restarts of which the
@@ -34,6 +36,7 @@ from privfl.errors import ConfigError
 from privfl.seeding import derive_seed
 
 VARIANTS = ("dlg", "idlg", "ig")
+BATCH_LABEL_RULES = ("last-layer", "joint")
 
 
 @dataclass
@@ -47,6 +50,9 @@ class GradLeakConfig:
     snapshots: int = 6  # images kept along the optimisation, for galleries
     local_steps: int = 1  # > 1: the observed tensors are an update of that many local SGD steps
     local_lr: float = 0.1
+    #: idlg/ig with batch > 1: "last-layer" reads the labels off the last layer's gradient first
+    #: (:func:`batch_labels`), "joint" optimises soft labels with the data as DLG does
+    batch_label_rule: str = "last-layer"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -79,6 +85,15 @@ class LeakResult:
 def idlg_label(grads: dict[str, torch.Tensor], last_weight: str) -> int:
     """iDLG: the class whose last-layer weight-gradient row sums to the most negative value."""
     return int(grads[last_weight].sum(dim=1).argmin())
+
+
+def batch_labels(grads: dict[str, torch.Tensor], last_weight: str, batch_size: int) -> torch.Tensor:
+    """Labels of a batch read off the last layer (Yin et al., "See through Gradients", CVPR 2021):
+    with non-negative features, the row of a class present in the batch has a negative minimum, so the
+    ``batch_size`` rows with the most negative minima are the batch's labels. Exact when the labels are
+    distinct (their assumption); a repeated label shows up as a wrong extra class."""
+    rows = grads[last_weight].min(dim=1).values
+    return torch.argsort(rows)[:batch_size].sort().values
 
 
 def model_gradient(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y_soft: torch.Tensor,
@@ -134,6 +149,8 @@ def leak(
     """
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"unknown gradient-leakage variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
+    if cfg.batch_label_rule not in BATCH_LABEL_RULES:
+        raise ConfigError(f"unknown batch_label_rule {cfg.batch_label_rule!r}; accepted: {', '.join(BATCH_LABEL_RULES)}")
     model = model.to(device).eval()
     names = [n for n in _param_names_all(model) if n in target]
     if not names:
@@ -144,10 +161,14 @@ def leak(
     params = {n: own[n] for n in names}  # differentiated through, never stepped
     target = {n: target[n].to(device).float() for n in names}
     label_source = "given"
-    if labels is None and cfg.variant in ("idlg", "ig") and batch_size == 1:
-        last_weight = [n for n in names if target[n].dim() == 2][-1]
-        labels = torch.tensor([idlg_label(target, last_weight)])
-        label_source = "idlg (last-layer gradient sign)"
+    last_weights = [n for n in names if target[n].dim() == 2 and target[n].shape[0] == num_classes]
+    if labels is None and cfg.variant in ("idlg", "ig") and last_weights:
+        if batch_size == 1:
+            labels = torch.tensor([idlg_label(target, last_weights[-1])])
+            label_source = "idlg (last-layer gradient sign)"
+        elif cfg.batch_label_rule == "last-layer" and batch_size <= num_classes:
+            labels = batch_labels(target, last_weights[-1], batch_size)
+            label_source = "last-layer row minima (Yin et al. 2021; assumes distinct labels)"
     start = time.perf_counter()
     best: LeakResult | None = None
     for restart in range(max(1, cfg.restarts)):

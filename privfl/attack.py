@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--lr", type=float, help="optimiser learning rate (default: DLG 1.0, IG 0.1)")
         g.add_argument("--tv-weight", type=float, help="total variation weight (default: IG 0.1, DLG 0)")
         g.add_argument("--batch-size", type=int, default=8, help="largest batch reconstructed from one message")
+        g.add_argument("--batch-label-rule", choices=["last-layer", "joint"],
+                       help="idlg/ig with --batch-size > 1: labels read off the last layer first (default) or optimised jointly")
         g.add_argument("--local-steps", default="1",
                        help="unroll this many local SGD steps (at the run's lr) to match a multi-step update or model "
                             "(Inverting Gradients' FedAvg variant); 'auto' = the local steps the run's config implies")
@@ -362,7 +364,8 @@ def run_gradleak(args, view) -> int:
         raise ConfigError(f"round {rnd} has no {kind} uploads; rounds with them: {rounds[0]}..{rounds[-1]}")
     local_steps = _local_steps(args.local_steps, view, records)
     overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "restarts": args.restarts,
-                                   "local_steps": local_steps, "local_lr": float(view.config["lr"])}.items() if v is not None}
+                                   "local_steps": local_steps, "local_lr": float(view.config["lr"]),
+                                   "batch_label_rule": args.batch_label_rule}.items() if v is not None}
     cfg = GradLeakConfig.preset(args.command, **overrides)
     attack = GradientLeakage(args.command, cfg, seed=args.seed, device=resolve_device(args.device), max_batch=args.batch_size)
     attack.check(view)

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.gradleak import GradLeakConfig, idlg_label, leak
+from attacks.gradleak import GradLeakConfig, batch_labels, idlg_label, leak
 from attacks.images import packaged_images
 from attacks.metrics import psnr
 from attacks.victims import SigmoidLeNet
+from privfl.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,23 @@ def test_idlg_reads_the_label_from_the_last_layer(victim):
     assert idlg_label(grads, "fc.weight") == labels.item()
     _, r = rebuild(model, grads, "idlg", 2)
     assert r.label_source.startswith("idlg") and r.labels.tolist() == labels.tolist()
+
+
+def test_batch_labels_come_from_the_last_layer_before_optimising():
+    """Four real CIFAR-10 images with distinct labels: the last layer's row minima give the label set."""
+    images, labels = packaged_images("cifar10", 20)
+    pick = [labels.tolist().index(c) for c in sorted(set(labels.tolist()))[:4]]
+    x, y = (images[pick] - 0.5) / 0.5, labels[pick]
+    model = SigmoidLeNet(3, 100, 32).init_uniform(torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    grads = dict(zip(params, [g.detach() for g in torch.autograd.grad(F.cross_entropy(model(x), y), list(params.values()))]))
+    assert batch_labels(grads, "fc.weight", 4).tolist() == sorted(y.tolist())
+    r = leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset("ig", steps=2), batch_size=4, seed=0)
+    assert r.label_source.startswith("last-layer") and sorted(r.labels.tolist()) == sorted(y.tolist())
+    joint = leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset("ig", steps=2, batch_label_rule="joint"), batch_size=4)
+    assert joint.label_source.startswith("joint")
+    with pytest.raises(ConfigError, match="batch_label_rule"):
+        leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset("ig", steps=1, batch_label_rule="guess"), batch_size=4)
 
 
 def test_inverting_gradients_stays_in_the_box_and_is_seeded(victim):
