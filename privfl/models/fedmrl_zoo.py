@@ -14,6 +14,9 @@ Two uses:
 - :func:`small_model` builds FedMRL's shared homogeneous small model: one of the CNNs with FC2 = d1 and
   its own FC3 (the global header), with the parameter names ``conv1.weight`` ... ``fc3.bias`` that its
   ``small_model`` messages carry.
+
+The names are registered when this module is imported, which :mod:`privfl.methods.fedmrl` does, so
+they exist wherever ``privfl.methods`` is loaded (every CLI, the engine, the attacker's view).
 """
 
 from __future__ import annotations
