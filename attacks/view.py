@@ -85,6 +85,9 @@ class AttackerView:
         """The last message of the previous-state kind (``model`` for a star method's update; a
         Learngene for a ring neighbour's Learngene...) that the sender of ``record`` received before
         sending it."""
+        custom = self.method_cls.attacker_previous_state(self, record)
+        if custom is not None:
+            return custom
         client = record["sender"]
         prev_kind = self.parameter_kinds().get(record["kind"], "model")
         earlier = [r for r in self._records if r["kind"] == prev_kind and r["receiver"] == client and r["seq"] < record["seq"]]

@@ -163,6 +163,13 @@ class FLMethod:
     parameter_kinds: ClassVar[dict[str, str]] = {"grad": "model", "update": "model", "model": "model"}
 
     @classmethod
+    def attacker_previous_state(cls, view, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """The previous state of a parameter message, for methods whose attacker rebuilds it from several
+        captured messages (FedFree); None keeps the default rule: the last ``parameter_kinds[kind]``
+        message the sender received."""
+        return None
+
+    @classmethod
     def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
         """The module whose parameters a ``kind`` message carries, mapping images to logits (the loss
         a gradient-leakage attacker differentiates). Its parameter names match the message's tensor
