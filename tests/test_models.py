@@ -42,6 +42,7 @@ EXPECTED_DIMS = {
     "vit_b_32": 768,
     "squeezenet1_1": 512,
     "shufflenet_v2_x0_5": 1024,
+    **{f"mrl-cnn{v}": 500 for v in range(1, 6)},  # FedMRL's CNN-1..5 (Table 2), up to ReLU(FC2)
 }
 
 

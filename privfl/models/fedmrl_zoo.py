@@ -15,8 +15,7 @@ Two uses:
   its own FC3 (the global header), with the parameter names ``conv1.weight`` ... ``fc3.bias`` that its
   ``small_model`` messages carry.
 
-The names are registered when this module is imported, which :mod:`privfl.methods.fedmrl` does, so
-they exist wherever ``privfl.methods`` is loaded (every CLI, the engine, the attacker's view).
+The names are registered when ``privfl.models`` is imported (it imports this module).
 """
 
 from __future__ import annotations
