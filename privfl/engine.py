@@ -1,8 +1,10 @@
-"""The in-process engine: star topology, rounds, partial participation, evaluation, checkpoints.
+"""The in-process engine: star or ring topology, rounds, partial participation, evaluation, checkpoints.
 
 One process, models kept in memory on the chosen device, data resident as uint8. Every random draw
 is derived from (seed, purpose, round, client) (see :mod:`privfl.seeding`), so ``--resume`` after a
-kill repeats the remaining rounds exactly: same metrics, same capture.
+kill repeats the remaining rounds exactly: same metrics, same capture. The method's topology
+(:mod:`privfl.topology`) decides who is live in a round: every client of a star (then ``--join-ratio``
+samples from them), the live nodes of a ring (failed nodes are skipped; rings take no join ratio).
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class Trainer:
 
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
         opts = self.method_cls.Options(**cfg.options)
+        self.topology = self.method_cls.build_topology(cfg, opts)
+        if self.topology.kind == "ring" and cfg.join_ratio != 1.0:
+            raise ConfigError(f"{cfg.method} runs on a ring: every live node takes part, so --join-ratio must be 1")
         clients = []
         for k, arch in enumerate(archs):
             seed_global(cfg.seed, "init", k)
@@ -145,7 +150,7 @@ class Trainer:
         _Fault(self.channel)
         self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
         env = FLEnv(cfg, opts, clients, self.data, dataset.num_classes,
-                    self.device, self.channel, self.knowledge)
+                    self.device, self.channel, self.knowledge, self.topology)
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
@@ -218,6 +223,8 @@ class Trainer:
         return {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
 
     def select(self, rnd: int) -> list[Client]:
+        if self.topology.kind == "ring":
+            return [self.clients[i] for i in self.topology.alive(rnd)]
         k = max(1, int(round(self.cfg.join_ratio * len(self.clients))))
         if k == len(self.clients):
             return list(self.clients)
@@ -318,6 +325,7 @@ def write_run_info(trainer: Trainer) -> None:
         "method": trainer.cfg.method,
         "paper": m.paper,
         "sends": m.sends,
+        "topology": trainer.topology.kind,
         "knowledge": {
             kind: {"rounds": "final" if trainer.cfg.knowledge_every == 0 else f"final and every {trainer.cfg.knowledge_every}",
                    "threat_model": THREAT_MODELS[kind]}

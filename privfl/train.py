@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         values.update(args)
         values.setdefault("method", "fedre")
         method_cls = resolve_method(values["method"])
+        if not config_path:  # a method's quick CPU defaults (Options.run_defaults) fill what the flags leave out
+            for key, value in getattr(method_cls.Options, "run_defaults", {}).items():
+                values.setdefault(key, value)
         cfg = build_config(values, method_cls.Options)
         summary = engine.train(cfg)
     print_summary(summary)

@@ -119,6 +119,7 @@ class FLEnv:
     device: torch.device
     channel: Any  # privfl.channel.Channel
     knowledge: KnowledgeRecorder
+    topology: Any = None  # privfl.topology.Star | Ring, from FLMethod.build_topology
 
 
 class FLMethod:
@@ -156,6 +157,14 @@ class FLMethod:
 
         return build_model(req.arch, in_channels=req.in_channels, num_classes=req.num_classes,
                            image_size=req.image_size, rep_dim=req.cfg.rep_dim, mapping=req.cfg.mapping)
+
+    @classmethod
+    def build_topology(cls, cfg: Any, opts: Any):
+        """Who talks to whom in this method (the engine selects clients from its live nodes).
+        Default: a star, every client live; ring methods return a :class:`privfl.topology.Ring`."""
+        from privfl.topology import Star
+
+        return Star(cfg.num_clients)
 
     #: message kinds whose tensors are parameters (or gradients/updates of parameters) of a module
     #: the attacker can rebuild, mapped to the kind of the message that gives the previous state
