@@ -84,13 +84,16 @@ class AttackerView:
     def previous_state(self, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The last message of the previous-state kind (``model`` for a star method's update; a
         Learngene for a ring neighbour's Learngene...) that the sender of ``record`` received before
-        sending it."""
+        sending it. A message whose meta names ``previous_round`` (a ring, where a node may already
+        hold the next round's Learngene when it sends) takes the one received in that round."""
         custom = self.method_cls.attacker_previous_state(self, record)
         if custom is not None:
             return custom
         client = record["sender"]
         prev_kind = self.parameter_kinds().get(record["kind"], "model")
-        earlier = [r for r in self._records if r["kind"] == prev_kind and r["receiver"] == client and r["seq"] < record["seq"]]
+        want = record.get("meta", {}).get("previous_round")
+        earlier = [r for r in self._records if r["kind"] == prev_kind and r["receiver"] == client and r["seq"] < record["seq"]
+                   and (want is None or r["round"] == want)]
         if not earlier:
             raise CaptureError(f"no {prev_kind} was sent to {client} before message {record['seq']}: no previous state to attack from")
         return earlier[-1], self.load(earlier[-1])

@@ -1,0 +1,116 @@
+"""DRDFL's row of the paper's Figure 9: DLG by the ring neighbour on what DRDFL sends (a Learngene).
+
+Two protocols (shared/specs/drdfl.md section 5; docs/methods/drdfl.md "Gradient leakage"):
+
+1. ``attack_learngene(dataset, images, labels, steps, seed)``: the strongest case, on the same images
+   as experiments/fig9_gradleak.py's FedNova rows. Per image a fresh DRDFL client takes one local SGD
+   step (batch 1, lr ``LR``) of its full loss (L_PR + L_GL + L_rec + L_ce), starting from a Learngene
+   phi_start the attacker knows; the Learngene message goes through a real Channel to the next node.
+   The attacker forms g = (phi_start - phi_end) / lr, the exact phi-gradient of that loss, and runs
+   DLG (L-BFGS, joint dummy image + soft label, ``steps`` steps) through
+   ``DRDFL.leakage_module``: the Learngene followed by a classifier of its own on mu_l (it never sees
+   PersonaNet, decoder, f_omega or the adversary, so it cannot rehearse the loss the client used).
+   Yields ``(row, reconstruction)`` pairs in fig9_gradleak.py's row format.
+2. ``main()``: a short real DRDFL run on Fashion-MNIST, then ``privfl.attack dlg --artifact learngene``
+   on the last round's captured Learngene messages (previous state: the Learngene each sender received
+   in the round it trained; target (prev - sent) / (lr * local steps)); prints PSNR. With
+   ``--cifar N`` it also runs protocol 1 on N packaged CIFAR-10 test images.
+
+    python experiments/drdfl/fig9_learngene.py                 # ~2 minutes on a CPU
+    python experiments/drdfl/fig9_learngene.py --steps 200 --cifar 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from attacks.gradleak import GradLeakConfig, leak
+from attacks.metrics import psnr, ssim
+from privfl.capture.message import Message
+from privfl.channel import Channel
+from privfl.config import build_config
+from privfl.methods import ModelRequest
+from privfl.methods.drdfl import DRDFL, batch_losses
+from privfl.seeding import derive_seed, seed_global
+
+LR = 0.01  # the victim's SGD step (as fig9_gradleak.py's FedNova client)
+MEAN, STD = 0.5, 0.5  # privfl's normalisation of every dataset: inputs in [-1, 1]
+
+
+def _request(num_classes: int, seed: int, width: int) -> ModelRequest:
+    cfg = build_config({"method": "drdfl", "seed": seed, "options": {"width": width, "persona_width": width,
+                                                                     "decoder_width": width}}, DRDFL.Options)
+    return ModelRequest("cnn4", 0, 3, num_classes, 32, cfg, DRDFL.Options(**cfg.options))
+
+
+def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, steps: int = 200, seed: int = 0,
+                     width: int = 8) -> Iterator[tuple[dict, torch.Tensor]]:
+    """DLG on one-step Learngene messages of ``images`` ((N, 3, 32, 32) in [0, 1]); see the module docstring."""
+    num_classes = 100 if dataset == "cifar100" else 10
+    cfg = GradLeakConfig.preset("dlg", steps=steps, snapshots=max(1, steps // 10))
+    for i in range(len(images)):
+        req = _request(num_classes, derive_seed(seed, "drdfl-victim", dataset), width)
+        seed_global(seed, "drdfl-victim", dataset, i)
+        model = DRDFL.build_client_model(req).train()
+        x, y = (images[i : i + 1] - MEAN) / STD, labels[i : i + 1]
+        start = {k: v.clone() for k, v in DRDFL.learngene_tensors(model).items()}
+        main = [p for n, p in model.named_parameters() if not n.startswith("adversary.")]
+        opt = torch.optim.SGD(main, lr=LR)
+        losses = batch_losses(model, x, y, req.opts, torch.optim.SGD(model.adversary.parameters(), lr=LR))
+        opt.zero_grad()
+        losses["train_loss"].backward()
+        opt.step()
+        sent = Channel(None, None).send(Message(0, f"client{i}", f"client{i + 1}", "learngene", DRDFL.learngene_tensors(model),
+                                                {"lr": LR, "num_samples": 1, "local_epochs": 1, "batch_size": 1}))
+        probe = DRDFL.leakage_module("learngene", req)
+        probe.load_state_dict(start, strict=False)  # the attacker knows phi_start (strongest case)
+        names = {n for n, _ in probe.named_parameters()}
+        target = {k: (start[k] - v) / LR for k, v in sent.tensors.items() if k in names}
+        t0 = time.perf_counter()
+        res = leak(probe, target, (3, 32, 32), num_classes, cfg, seed=derive_seed(seed, "dlg-drdfl", dataset, i))
+        rec = (res.images * STD + MEAN).clamp(0, 1)
+        row = {"dataset": dataset, "system": "DRDFL Learngene", "victim": f"drdfl-w{width}", "image": i, "label": int(y),
+               "label_recovered": int(res.labels[0]), "psnr": float(psnr(rec, images[i : i + 1])[0]),
+               "ssim": float(ssim(rec, images[i : i + 1])[0]), "seconds": round(time.perf_counter() - t0, 2)}
+        yield row, rec[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from privfl.attack import main as attack_main
+    from privfl.train import main as train_main
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="DLG steps (the paper: 200)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--cifar", type=int, default=0, help="also run the one-step protocol on N packaged CIFAR-10 images")
+    p.add_argument("--out", default=None, help="run folder (default: a temporary one)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="drdfl-fig9-"))
+    train_main(["drdfl", "--subsample", "2000", "--partition", "iid", "--num-clients", "4", "--rounds", str(args.rounds),
+                "--model-group", "homo-cnn4", "--global-test-samples", "200", "--no-progress", "--seed", str(args.seed),
+                "--out-dir", str(out), "--run-name", "train"])
+    run = out / "train"
+    attack_main(["dlg", "--run", str(run), "--artifact", "learngene", "--steps", str(args.steps), "--batch-size", "1",
+                 "--no-progress", "--seed", str(args.seed)])
+    summary = json.loads(next((run / "attacks").glob("dlg-learngene-*/metrics.json")).read_text())["summary"]
+    print(f"DRDFL Learngene, captured messages of round {args.rounds - 1}: PSNR {summary['psnr']:.2f} dB, SSIM {summary['ssim']:.3f}")
+    if args.cifar:
+        from attacks.images import packaged_images
+
+        images, labels = packaged_images("cifar10", args.cifar)
+        for row, _ in attack_learngene("cifar10", images, labels, steps=args.steps, seed=args.seed):
+            print(f"one-step protocol, cifar10 image {row['image']}: PSNR {row['psnr']:.2f} dB  SSIM {row['ssim']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
