@@ -236,8 +236,7 @@ def tsne_command(args) -> int:
         tensors.update({f"{i}.vectors": torch.from_numpy(p.vectors).float(), f"{i}.tsne": torch.from_numpy(p.embedding).float(),
                         f"{i}.classes": torch.from_numpy(p.classes).long(), f"{i}.clients": torch.from_numpy(p.clients).long(),
                         f"{i}.samples": torch.from_numpy(p.counts).long()})
-    what = "class prototypes" if space.prototypes else "per-sample vectors"
-    title = f"t-SNE of {what} ({space.feature}), colour = class, marker = client"
+    title = f"t-SNE of {space.label}; colour = class, marker = client"
     final = _atomic_folder(final, {
         "tsne.png": plot_panels(panels, space, title),
         "tsne.json": _json_bytes(info),

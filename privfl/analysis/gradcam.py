@@ -116,8 +116,9 @@ def run_gradcam(rm: RunModels, modules: Sequence[str], *, clients: Sequence[int]
         if clients is None and len(plans) == max_clients:
             break
     if not plans:
-        reasons = "; ".join(f"client{k}: {why}" for k, why in skipped.items())
-        raise ConfigError(f"no client of run {rm.name} can be explained ({reasons})")
+        k, why = next(iter(skipped.items()))
+        others = f" (likewise no other client of the {len(skipped)} tried can be explained)" if len(skipped) > 1 else ""
+        raise ConfigError(f"client{k}: {why}{others}" if not why.startswith(("unknown", "module")) else f"{why}{others}")
     shared = None
     if same_images:
         pool = torch.unique(torch.cat([plan[0] for plan in plans.values()]))
