@@ -14,10 +14,13 @@ import torch
 import torch.nn.functional as F
 from matplotlib.image import imread
 from safetensors.torch import load_file
+from torch import nn
 
 from privfl.analysis import RunModels, separation
 from privfl.analyze import main as analyze_main
 from privfl.cli import run_cli
+from privfl.methods import ModelRequest
+from privfl.methods.simple import Local
 from privfl.train import main as train_main
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -28,12 +31,51 @@ TINY = ["--subsample", "400", "--partition", "iid", "--rounds", "2", "--num-clie
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class PairEncoder(nn.Module):
+    """An encoder returning a (mean, log-variance) pair, as VAE-style methods do: not a spatial map."""
+
+    def __init__(self, channels: int, dim: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(channels, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1), nn.ReLU())
+        self.fc = nn.Linear(8 * 7 * 7, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_var = self.fc(self.net(x).flatten(1)).chunk(2, dim=1)
+        return mu, log_var
+
+
+class PairModel(nn.Module):
+    def __init__(self, req: ModelRequest):
+        super().__init__()
+        self.encoder, self.head = PairEncoder(req.in_channels, 16), nn.Linear(16, req.num_classes)
+
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.represent(x))
+
+
+class PairLocal(Local):
+    """A user's method (given by import path) with its own model and a predict needing only that model."""
+
+    name = "pair-local"
+
+    @classmethod
+    def build_client_model(cls, req: ModelRequest) -> nn.Module:
+        return PairModel(req)
+
+    def predict(self, client, x: torch.Tensor) -> torch.Tensor:
+        return client.model(x) / 2.0
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("analyze")
-    for method in ("fedproto", "fedre"):
-        assert train_main([method, *TINY, "--out-dir", str(out), "--run-name", method]) == 0
-    return {m: out / m for m in ("fedproto", "fedre")}
+    for method, name in (("fedproto", "fedproto"), ("fedre", "fedre"), (f"{__name__}:PairLocal", "plugin")):
+        extra = ["--rounds", "1"] if name == "plugin" else []
+        assert train_main([method, *TINY, *extra, "--out-dir", str(out), "--run-name", name]) == 0
+    return {m: out / m for m in ("fedproto", "fedre", "plugin")}
 
 
 def analyze(*argv: str) -> None:
@@ -183,6 +225,28 @@ def test_tsne_samples_and_module_space(runs, capsys):
     assert "different sizes across clients" in err
     assert "accepted: proto, rep, module:NAME" in cli_error(capsys, "tsne", "--runs", str(run), "--space", "latent")
     assert "unknown module 'nope'" in cli_error(capsys, "tsne", "--runs", str(run), "--space", "module:nope")
+
+
+def test_user_method_with_its_own_model(runs, capsys):
+    """Nothing is special to SplitModels: a plugin's encoder that returns a tuple stands for its last
+    conv block, and its predict (which needs only the client model) is the score explained."""
+    run = runs["plugin"]
+    analyze("gradcam", "--run", str(run), "--module", "encoder,encoder.net.0", "--clients", "1", "--images", "1")
+    folder = run / "analysis" / "gradcam-encoder+encoder.net.0-true-label"
+    info = json.loads((folder / "gradcam.json").read_text())
+    assert info["layers"]["client1"] == {"encoder": "encoder.net", "encoder.net.0": "encoder.net.0"}
+    assert info["score"]["client1"] == "PairLocal.predict (client model only)"
+    rm = RunModels(run)
+    maps = load_file(str(folder / "maps.safetensors"))
+    x = rm.client_data(maps["client1.pool_index"]).x
+    with torch.no_grad():
+        prob = (rm.model(1)(x) / 2.0).softmax(1)[0, info["images"][0]["target"]]
+    assert info["images"][0]["target_prob"] == pytest.approx(float(prob), abs=1e-5)
+    assert maps["client1.encoder"].shape == (1, 28, 28)
+    assert "outputs tuple" in cli_error(capsys, "tsne", "--runs", str(run), "--space", "module:encoder")
+    analyze("tsne", "--runs", str(run), "--space", "module:encoder.fc", "--prototypes")
+    panel = json.loads((run / "analysis" / "tsne-module_encoder.fc-prototypes" / "tsne.json").read_text())["panels"][0]
+    assert panel["dim"] == 32 and panel["prototypes"] and panel["clients"] == 3
 
 
 def test_separation_numbers_on_known_geometry():
