@@ -43,6 +43,13 @@ EXPECTED_DIMS = {
     "squeezenet1_1": 512,
     "shufflenet_v2_x0_5": 1024,
     **{f"mrl-cnn{v}": 500 for v in range(1, 6)},  # FedMRL's CNN-1..5 (Table 2), up to ReLU(FC2)
+    # FedFree's CIFAR-style ResNets (3x3 stem, no max-pool) and its 5-layer CNN
+    "cifar-resnet18": 512,
+    "cifar-resnet34": 512,
+    "cifar-resnet50": 2048,
+    "cifar-resnet101": 2048,
+    "cifar-resnet152": 2048,
+    "fedfree-cnn": 128,
 }
 
 
