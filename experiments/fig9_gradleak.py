@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variances", default="1e-4,1e-3,1e-2", help="noise variances s^2 on the gradient")
     p.add_argument("--victims", default="lenet", help="lenet and/or resnet18")
     p.add_argument("--lr", type=float, default=0.01, help="the FedNova client's local learning rate")
+    p.add_argument("--restarts", type=int, default=1,
+                   help="DLG restarts from fresh dummies, the lowest final loss wins (DLG itself: 1; some inits diverge)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-drdfl", action="store_true", help="skip the DRDFL row even if its script exists")
     p.add_argument("--out", default="runs/fig9")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variances = [float(v) for v in args.variances.split(",") if v]
-    cfg = GradLeakConfig.preset("dlg", steps=args.steps, snapshots=max(1, args.steps // 10))
+    cfg = GradLeakConfig.preset("dlg", steps=args.steps, snapshots=max(1, args.steps // 10), restarts=args.restarts)
     drdfl = None if args.no_drdfl else _drdfl_row()
 
     per_image: list[dict] = []
