@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="DLG restarts from fresh dummies, the lowest final loss wins (DLG itself: 1; some inits diverge)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-drdfl", action="store_true", help="skip the DRDFL row even if its script exists")
+    p.add_argument("--only-drdfl", action="store_true", help="only the DRDFL row (e.g. to add it to an earlier table)")
+    p.add_argument("--drdfl-width", type=int, default=32,
+                   help="DRDFL Learngene width (32: the paper configs' ~0.50M-parameter Learngene; 8: the quick default)")
     p.add_argument("--out", default="runs/fig9")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -114,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     variances = [float(v) for v in args.variances.split(",") if v]
     cfg = GradLeakConfig.preset("dlg", steps=args.steps, snapshots=max(1, args.steps // 10), restarts=args.restarts)
     drdfl = None if args.no_drdfl else _drdfl_row()
+    if args.only_drdfl and drdfl is None:
+        raise SystemExit("--only-drdfl: experiments/drdfl/fig9_learngene.py is missing")
 
     per_image: list[dict] = []
     for dataset in args.datasets.split(","):
         images, labels = packaged_images(dataset, args.images)
         finals: dict[str, list[torch.Tensor]] = {}
         snaps: dict[int, list[torch.Tensor]] = {}
-        for victim in args.victims.split(","):
+        for victim in ([] if args.only_drdfl else args.victims.split(",")):
             systems = [("FedNova", [])] + [(f"FedNova+noise s2={v:g}", [f"gaussian:sigma={args.lr * v ** 0.5:.6g},seed={args.seed}"])
                                            for v in variances]
             for system, defense in systems:
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{dataset} {label:<32} image {i}: PSNR {row['psnr']:6.2f} dB  SSIM {row['ssim']:.3f}  "
                           f"label {'ok' if row['label'] == row['label_recovered'] else 'wrong'}  {secs:5.1f} s", flush=True)
         if drdfl is not None:
-            for row, rec in drdfl(dataset, images, labels, steps=args.steps, seed=args.seed):
+            for row, rec in drdfl(dataset, images, labels, steps=args.steps, seed=args.seed, width=args.drdfl_width):
                 per_image.append(row)
                 finals.setdefault(f"{row['system']} ({row['victim']})", []).append(rec)
         steps = sorted(snaps)
