@@ -14,6 +14,7 @@ from torch import nn
 
 from privfl.capture import TensorStore
 from privfl.cli import run_cli
+from privfl.data.partition import dominant_share_partition
 from privfl.methods import METHODS
 from privfl.methods.fedfree import (
     FedFree,
@@ -21,7 +22,6 @@ from privfl.methods.fedfree import (
     candidate_layers,
     change_score,
     densify,
-    dominant_share_partition,
     entropy,
     kge,
     match_layer,

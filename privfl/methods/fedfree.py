@@ -27,14 +27,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.data.partition import PARTITIONS, _check_min, _resolve_min
 from privfl.errors import CaptureError, ConfigError
 from privfl.methods.base import METHODS, Client, FLMethod, ModelRequest, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
@@ -273,33 +271,6 @@ def align_layer(layer: LayerInfo, targets: list[tuple[torch.Tensor, torch.Tensor
 def rank_top_k(scores: list[float], k: int) -> list[int]:
     """Indices of the k largest scores, largest first; ties go to the earlier layer."""
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: min(k, len(scores))]
-
-
-# ---------------------------------------------------------------------------------------------- partition
-@PARTITIONS.register("dominant")
-def dominant_share_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                             balanced: bool = False, min_samples: int | None = None) -> list[np.ndarray]:
-    """FedFree's non-IID1 as the spec reads it (§3.2): client i holds a dominant class (group) i mod G
-    for 80% of its samples and the next two for 10% each (8:1:1; ``balanced=True`` gives 6:2:2, the
-    paper's non-IID2). Classes come in G = min(C, 10) groups (CIFAR-100: groups of 10 classes). Client
-    sizes are equal, n = N/num_clients, drawn without replacement; the rotation balances class demand."""
-    classes = np.unique(labels)
-    n_groups = min(len(classes), 10)
-    groups = np.array_split(classes, n_groups)
-    shares = (0.6, 0.2, 0.2) if balanced else (0.8, 0.1, 0.1)
-    pools = {g: list(rng.permutation(np.flatnonzero(np.isin(labels, groups[g])))) for g in range(n_groups)}
-    per_client = len(labels) // num_clients
-    parts = []
-    for i in range(num_clients):
-        take = []
-        for offset, share in enumerate(shares):
-            g = (i + offset) % n_groups
-            want = int(round(share * per_client))
-            got, pools[g] = pools[g][:want], pools[g][want:]
-            take.extend(got)
-        parts.append(np.array(take, dtype=np.int64))
-    return _check_min(parts, _resolve_min(min_samples, len(labels), num_clients), "dominant",
-                      "use fewer clients or more data")
 
 
 # ---------------------------------------------------------------------------------------------- method
@@ -602,4 +573,4 @@ def _replay(meta: dict[str, Any], tensors: dict[str, torch.Tensor], local: dict[
 
 
 __all__ = ["FedFree", "FedFreeOptions", "LayerInfo", "candidate_layers", "change_score", "entropy", "kge", "match_layer",
-           "project_to", "overwrite", "alignment_loss", "align_layer", "rank_top_k", "dominant_share_partition"]
+           "project_to", "overwrite", "alignment_loss", "align_layer", "rank_top_k"]
