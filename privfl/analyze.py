@@ -21,7 +21,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 from privfl.cli import run_cli
 from privfl.errors import ConfigError
+from privfl.runs import swap_in_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,14 +92,7 @@ def _atomic_folder(final: Path, files: dict[str, bytes]) -> Path:
     try:
         for name, data in files.items():
             (folder / name).write_bytes(data)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(folder, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(folder, final)
+        swap_in_folder(folder, final)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return final

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import shutil
 import sys
 import tempfile
 import time
@@ -25,6 +23,7 @@ from safetensors.torch import save_file
 
 from privfl.cli import run_cli
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
+from privfl.runs import swap_in_folder
 
 
 def _dip_config(args):
@@ -188,19 +187,6 @@ def _lpips_note() -> str:
     return "computed" if ok else f"unavailable: {why}"
 
 
-def _finish(folder: Path, final: Path) -> Path:
-    """Replace the output folder atomically (a killed attack leaves the old result, not half a new one)."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(folder, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(folder, final)
-    return final
-
-
 def run_invert(args, view) -> int:
     from attacks.groundtruth import GroundTruth
     from attacks.metrics import summarize
@@ -254,7 +240,7 @@ def run_invert(args, view) -> int:
     write_metrics(folder, rows, summary, protocol)
     write_html(folder, f"Inversion of {kind}: {view.info['method']} round {rnd}",
                [{"heading": label, "protocol": protocol, "images": "gallery.png", "summary": summary}])
-    final = _finish(folder, final)
+    final = swap_in_folder(folder, final)
     _print_summary(f"{kind} r{rnd}", summary, final)
     return 0
 
@@ -331,7 +317,7 @@ def run_compare(args, view) -> int:
     write_html(folder, f"Representation vs prototype vs entangled representation ({view.info['method']})",
                [{"heading": f"{client}, round {rnd}", "protocol": protocol, "images": "gallery.png", "summary": summary,
                  "text": "Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored extractor and data."}])
-    final = _finish(folder, final)
+    final = swap_in_folder(folder, final)
     print(f"compare {', '.join(kinds)} on {client} r{rnd}: {summary['seconds_per_target']:.2f} s per target")
     for k in kinds:
         print(f"  {k:<8}{' (counterfactual)' if summary[k + '_counterfactual'] else '':<17} PSNR {summary[k + '_sample_psnr255']:6.2f} dB"
@@ -410,7 +396,7 @@ def run_gradleak(args, view) -> int:
     write_metrics(folder, rows, summary, protocol)
     write_html(folder, f"{args.command} on {kind}: {view.info['method']} round {rnd}",
                [{"heading": f"{kind} r{rnd}", "protocol": protocol, "images": "gallery.png", "summary": summary}])
-    final = _finish(folder, final)
+    final = swap_in_folder(folder, final)
     print(f"{args.command} on {kind} r{rnd}: {len(rows)} image(s) from {len(leaks)} message(s), {summary['seconds_per_message']:.1f} s per message")
     print(f"  PSNR {summary['psnr']:.2f} dB (0-255 MSE {summary['mse255']:.1f}), SSIM {summary['ssim']:.3f}")
     print(f"  results: {final}/index.html")

@@ -39,3 +39,19 @@ def resolve_run(run: str | None, out_dir: str | Path = "runs") -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a privfl run directory (no config.json)")
     return path
+
+
+def swap_in_folder(folder: Path, final: Path) -> Path:
+    """Replace ``final`` by the finished ``folder`` (a sibling temp dir) so that a killed attack or
+    analysis leaves the previous result, never half a new one."""
+    import shutil
+
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(folder, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(folder, final)
+    return final
