@@ -261,6 +261,8 @@ class Trainer:
                 "broadcast_scalars": comm.get("down", {}).get("paper_scalars", 0),
                 "broadcast_scalars_full": comm.get("down", {}).get("scalars", 0),
                 "broadcast_bytes": comm.get("down", {}).get("bytes", 0),
+                "peer_scalars": comm.get("peer", {}).get("paper_scalars", 0),  # client to client (ring)
+                "peer_bytes": comm.get("peer", {}).get("bytes", 0),
                 "comm": comm,
                 "client_acc": ev["client_acc"],
                 **({"defenses": {d.spec: d.report() for d in self.defenses}} if self.defenses else {}),
@@ -277,7 +279,8 @@ class Trainer:
         lines = "".join(json.dumps(h, sort_keys=True) + "\n" for h in self.history)
         atomic_write_text(self.run_dir / "metrics.jsonl", lines)
         cols = ["round", "acc", "acc_std", "train_loss", "server_loss", "upload_scalars", "upload_scalars_full",
-                "upload_bytes", "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "seconds"]
+                "upload_bytes", "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "peer_scalars", "peer_bytes",
+                "seconds"]
         buf = io.StringIO()
         writer = csv.DictWriter(buf, cols, extrasaction="ignore")
         writer.writeheader()
@@ -292,9 +295,9 @@ class Trainer:
             "method": self.cfg.method, "dataset": self.cfg.dataset, "clients": self.cfg.num_clients, "rounds": rounds,
             "final_acc": final["acc"], "final_acc_std": final["acc_std"],
             "best_acc": best["acc"], "best_acc_std": best["acc_std"], "best_round": best["round"],
-            "per_round": {k: sum(h[k] for h in self.history) / rounds for k in (
+            "per_round": {k: sum(h.get(k, 0) for h in self.history) / rounds for k in (
                 "upload_scalars", "upload_scalars_full", "upload_bytes",
-                "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes")},
+                "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "peer_scalars", "peer_bytes")},
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
             "defenses": final.get("defenses", {}),

@@ -143,6 +143,8 @@ def print_summary(s: dict) -> None:
     table.add_row("upload per round: bytes", _fmt_bytes(p["upload_bytes"]))
     table.add_row("broadcast per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['broadcast_scalars'])} / {_fmt_count(p['broadcast_scalars_full'])}")
     table.add_row("broadcast per round: bytes", _fmt_bytes(p["broadcast_bytes"]))
+    if p.get("peer_scalars"):
+        table.add_row("client-to-client per round: scalars / bytes", f"{_fmt_count(p['peer_scalars'])} / {_fmt_bytes(p['peer_bytes'])}")
     for spec, rep in s.get("defenses", {}).items():
         eps = rep.get("epsilon")
         text = f"{rep.get('defended_messages', 0)} messages defended"

@@ -126,6 +126,7 @@ def test_ring_reroutes_around_failures_with_exact_counts(tmp_path):
         assert r["paper_scalars"] == (n_learngene if r["kind"] == "learngene" else 2 * 10 * 6)
     assert m[-1]["comm"]["peer:learngene"]["paper_scalars"] == 3 * n_learngene == 3 * m[-1]["learngene_scalars"]
     assert m[-1]["comm"]["peer:gaussians"]["scalars"] == 3 * 120
+    assert m[-1]["peer_scalars"] == 3 * (n_learngene + 120) and m[-1]["upload_scalars"] == m[-1]["broadcast_scalars"] == 0
     assert all(0 <= h["local_t"] <= 1 and 0 <= h["global_t"] <= 1 for h in m)
     # the attacker's previous state is what the sender received in the round its state was trained
     last = [r for r in recs if r["round"] == 2 and r["kind"] == "learngene" and r["sender"] == "client2"][0]
