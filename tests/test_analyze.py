@@ -243,7 +243,13 @@ def test_user_method_with_its_own_model(runs, capsys):
         prob = (rm.model(1)(x) / 2.0).softmax(1)[0, info["images"][0]["target"]]
     assert info["images"][0]["target_prob"] == pytest.approx(float(prob), abs=1e-5)
     assert maps["client1.encoder"].shape == (1, 28, 28)
-    assert "outputs tuple" in cli_error(capsys, "tsne", "--runs", str(run), "--space", "module:encoder")
+    # a (mean, log-variance) encoder stands for its mean: the same points as the model's represent()
+    analyze("tsne", "--runs", str(run), "--space", "module:encoder", "--prototypes")
+    enc = json.loads((run / "analysis" / "tsne-module_encoder-prototypes" / "tsne.json").read_text())["panels"][0]
+    analyze("tsne", "--runs", str(run), "--space", "proto")
+    proto = json.loads((run / "analysis" / "tsne-proto" / "tsne.json").read_text())["panels"][0]
+    assert enc["dim"] == proto["dim"] == 16 and enc["points"] == proto["points"]
+    assert enc["silhouette"] == pytest.approx(proto["silhouette"], abs=1e-6)
     analyze("tsne", "--runs", str(run), "--space", "module:encoder.fc", "--prototypes")
     panel = json.loads((run / "analysis" / "tsne-module_encoder.fc-prototypes" / "tsne.json").read_text())["panels"][0]
     assert panel["dim"] == 32 and panel["prototypes"] and panel["clients"] == 3

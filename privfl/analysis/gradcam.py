@@ -192,7 +192,8 @@ def plot_gradcam(result: GradCamResult, class_names: Sequence[str], title: str, 
                 m = result.modules[c - 1]
                 _overlay(ax, img_np, row.maps[m][i].numpy())
                 h, w = row.coarse[m]
-                caption = (row.layers[m] if row.layers[m] != m else m)[-18:] + f" {h}x{w}"
+                layer = row.layers[m]
+                caption = (layer if len(layer) <= 24 else "…" + layer[-23:]) + f" {h}x{w}"
             fig.text((x0 + cell / 2) / fig_w, (y0 - 0.03) / fig_h, caption, ha="center", va="top", fontsize=6.5)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")

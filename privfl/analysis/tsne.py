@@ -93,7 +93,9 @@ def client_vectors(rm: RunModels, k: int, space: Space, ids: torch.Tensor, batch
 
 
 def _hooked(module: torch.nn.Module, forward: Callable, name: str, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> the output of ``module`` during ``forward(x)`` (its last call)."""
+    """x -> the output of ``module`` during ``forward(x)`` (its last call). A module that returns a
+    tuple or list (a Gaussian encoder's (mean, log-variance)) gives its first tensor: the mean, the
+    point estimate of the latent."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         got: list[Any] = []
@@ -104,9 +106,12 @@ def _hooked(module: torch.nn.Module, forward: Callable, name: str, k: int) -> Ca
             handle.remove()
         if not got:
             raise ConfigError(f"module {name!r} of client{k} does not run in the model's forward")
-        if not isinstance(got[-1], torch.Tensor):
-            raise ConfigError(f"module {name!r} of client{k} outputs {type(got[-1]).__name__}, not a tensor; name one of its submodules")
-        return got[-1]
+        out = got[-1]
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            out = out[0]
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(f"module {name!r} of client{k} outputs {type(out).__name__}, not a tensor; name one of its submodules")
+        return out
 
     return run
 
