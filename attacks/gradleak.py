@@ -198,10 +198,17 @@ def leak(
                 loss.backward()
                 return loss
 
+            last_good = [v.detach().clone() for v in variables]
             for step in range(cfg.steps):
                 loss = opt.step(closure)
-                if not torch.isfinite(loss):
+                if not (torch.isfinite(loss) and all(bool(torch.isfinite(v).all()) for v in variables)):
+                    # L-BFGS diverged (DLG does on some starts and on noisy targets): keep the last finite
+                    # iterate, so the result is the attack's best effort rather than NaN
+                    with torch.no_grad():
+                        for v, good in zip(variables, last_good):
+                            v.copy_(good)
                     break
+                last_good = [v.detach().clone() for v in variables]
                 if progress:
                     progress(step, float(loss.detach()))
                 if step % every == 0 or step == cfg.steps - 1:

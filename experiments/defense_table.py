@@ -63,6 +63,11 @@ def run_attack(variant: str, run_dir: str, artifact: str, clients: str, steps: i
     return json.loads((Path(run_dir) / "attacks" / name / "metrics.json").read_text())["summary"]
 
 
+def _db(summary: dict) -> float | None:
+    value = summary.get("psnr")
+    return None if value is None else round(value, 2)
+
+
 def max_epsilon(summary: dict) -> float | None:
     """The largest per-client epsilon any accounting defense of the run reports (None: no accountant)."""
     eps = [e for report in summary.get("defenses", {}).values() for e in (report.get("epsilon") or {}).values()]
@@ -109,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "defense": spec, "method": args.method,
             "final_acc": round(summary["final_acc"], 4), "best_acc": round(summary["best_acc"], 4),
             "epsilon": max_epsilon(summary),
-            "dlg_psnr_run": round(leak["dlg"]["psnr"], 2), "ig_psnr_run": round(leak["ig"]["psnr"], 2),
-            "dlg_psnr_probe": round(probe_leak["dlg"]["psnr"], 2), "ig_psnr_probe": round(probe_leak["ig"]["psnr"], 2),
+            "dlg_psnr_run": _db(leak["dlg"]), "ig_psnr_run": _db(leak["ig"]),
+            "dlg_psnr_probe": _db(probe_leak["dlg"]), "ig_psnr_probe": _db(probe_leak["ig"]),
             "epsilon_probe": max_epsilon(probe),
             "upload_bytes_per_round": round(summary["per_round"]["upload_bytes"]),
             "run": run_dir, "probe_run": probe["run_dir"],
@@ -122,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'defense':<40} {'final acc':>9} {'epsilon':>9} {'DLG run':>8} {'IG run':>7} {'DLG probe':>10} {'IG probe':>9}")
     for r in rows:
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        print(f"{r['defense']:<40} {r['final_acc']:9.2%} {eps:>9} {r['dlg_psnr_run']:8.2f} {r['ig_psnr_run']:7.2f}"
-              f" {r['dlg_psnr_probe']:10.2f} {r['ig_psnr_probe']:9.2f}")
+        db = {k: "n/a" if r[k] is None else f"{r[k]:.2f}" for k in ("dlg_psnr_run", "ig_psnr_run", "dlg_psnr_probe", "ig_psnr_probe")}
+        print(f"{r['defense']:<40} {r['final_acc']:9.2%} {eps:>9} {db['dlg_psnr_run']:>8} {db['ig_psnr_run']:>7}"
+              f" {db['dlg_psnr_probe']:>10} {db['ig_psnr_probe']:>9}")
     print(f"table: {out}/table.csv (PSNR in dB, per image on [0, 1], averaged)")
     return 0
 

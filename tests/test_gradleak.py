@@ -99,3 +99,24 @@ def test_unrolled_local_steps_match_an_update(victim):
         w = {n: t - 0.1 * gi for (n, t), gi in zip(w.items(), g)}
     for n in update:
         assert torch.allclose(update[n], (params[n].detach() - w[n]) / 0.1, atol=1e-5)
+
+
+def test_a_diverging_dlg_returns_its_last_finite_iterate(victim, monkeypatch):
+    """When L-BFGS blows up (as on strongly noised updates), DLG keeps its last finite iterate, not NaN."""
+    model, _, _, grads = victim
+    original, calls, before = torch.optim.LBFGS.step, [], []
+
+    def diverging_step(self, closure):
+        calls.append(1)
+        before.append(self.param_groups[0]["params"][0].detach().clone())
+        loss = original(self, closure)
+        if len(calls) == 3:  # the third step diverges
+            for p in self.param_groups[0]["params"]:
+                p.data.fill_(float("nan"))
+        return loss
+
+    monkeypatch.setattr(torch.optim.LBFGS, "step", diverging_step)
+    r = leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset("dlg", steps=6), seed=0)
+    assert len(calls) == 3  # stopped right after the diverged step
+    assert torch.isfinite(r.images).all()
+    assert torch.equal(r.images, before[2])  # the iterate the diverged third step started from
