@@ -152,12 +152,16 @@ def test_short_run_learns(tmp_path):
 @needs_fmnist
 def test_token_schedule_resumes_exactly_after_a_kill(tmp_path):
     args = [*TINY, "--num-clients", "3", "--schedule", "token", "--rounds", "3"]
-    full = train(tmp_path, *args, name="full")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PRIVFL_FAULT": "1:3"}  # dies inside round 1 (a real kill)
-    killed = subprocess.run([sys.executable, "-m", "privfl.train", "drdfl", *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
-                            env=env, cwd=ROOT, capture_output=True)
+    # every part in its own process with one thread: float reductions then agree bit for bit
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "privfl.train"]
+    subprocess.run([*cmd, "drdfl", *args, "--out-dir", str(tmp_path), "--run-name", "full"], env=env, cwd=ROOT, check=True,
+                   capture_output=True)
+    full = tmp_path / "full"
+    killed = subprocess.run([*cmd, "drdfl", *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
+                            env={**env, "PRIVFL_FAULT": "1:3"}, cwd=ROOT, capture_output=True)  # dies inside round 1
     assert killed.returncode == 137 and len(metrics(tmp_path / "killed")) == 1
-    assert train_main(["--resume", str(tmp_path / "killed"), "--no-progress"]) == 0
+    subprocess.run([*cmd, "--resume", str(tmp_path / "killed"), "--no-progress"], env=env, cwd=ROOT, check=True, capture_output=True)
 
     def strip(rows):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]

@@ -203,17 +203,19 @@ def test_dlg_on_a_captured_small_model(run):
 
 @needs_fmnist
 def test_killed_run_resumes_exactly(tmp_path):
-    from privfl.train import main as train_main
 
     args = ["fedmrl", "--subsample", "300", "--num-clients", "3", "--partition", "iid", "--rounds", "2",
             "--rep-dim", "32", "--d1", "16", "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PRIVFL_FAULT": "1:4", "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run([sys.executable, "-m", "privfl.train", *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
-                            env=env, cwd=ROOT, capture_output=True)
+    # every part in its own process with one thread: float reductions then agree bit for bit
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "privfl.train"]
+    subprocess.run([*cmd, *args, "--out-dir", str(tmp_path), "--run-name", "full"], env=env, cwd=ROOT, check=True, capture_output=True)
+    full = tmp_path / "full"
+    killed = subprocess.run([*cmd, *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
+                            env={**env, "PRIVFL_FAULT": "1:4"}, cwd=ROOT, capture_output=True)
     assert killed.returncode == 137, killed.stderr.decode()[-2000:]
     assert len(metrics(tmp_path / "killed")) == 1  # died in round 1, after its 3 downloads and 1 upload
-    assert train_main(["--resume", str(tmp_path / "killed"), "--no-progress"]) == 0
-    full = train(tmp_path, *args, name="full")
+    subprocess.run([*cmd, "--resume", str(tmp_path / "killed"), "--no-progress"], env=env, cwd=ROOT, check=True, capture_output=True)
 
     def strip(rows):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
