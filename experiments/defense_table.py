@@ -53,11 +53,11 @@ def run_training(values: dict, name: str, out_dir: Path) -> dict:
     return train(cfg)
 
 
-def run_attack(variant: str, run_dir: str, artifact: str, clients: str, steps: int, seed: int) -> dict:
+def run_attack(variant: str, run_dir: str, artifact: str, clients: str, steps: int, seed: int, device: str) -> dict:
     """One ``privfl.attack`` call (the CLI's own code path); returns its summary."""
     name = f"{variant}-{artifact}"
     code = attack_cli.main([variant, "--run", run_dir, "--artifact", artifact, "--clients", clients, "--steps", str(steps),
-                            "--batch-size", "1", "--seed", str(seed), "--name", name, "--no-progress", "--device", "cpu"])
+                            "--batch-size", "1", "--seed", str(seed), "--name", name, "--no-progress", "--device", device])
     if code != 0:
         raise SystemExit(f"{variant} on {run_dir} failed with exit status {code}")
     return json.loads((Path(run_dir) / "attacks" / name / "metrics.json").read_text())["summary"]
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ig-steps", type=int, default=4800)
     p.add_argument("--probe-subsample", type=int, default=2000, help="samples of the probe run's dataset")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="for training and attacks: auto (GPU when present), cpu, cuda")
     p.add_argument("--out", default="runs/defense-table")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -96,19 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(s.strip() for s in args.defenses.split(";") if s.strip()):
         defense = [] if spec == "none" else [spec]
         slug = f"{i:02d}-" + ("none" if not defense else spec.replace(":", "_").replace(",", "_").replace("=", ""))
-        base = {"method": args.method, "model_group": args.model_group, "rounds": args.rounds, "seed": args.seed, "defense": defense}
+        base = {"method": args.method, "model_group": args.model_group, "rounds": args.rounds, "seed": args.seed, "defense": defense,
+                "device": args.device}
         if args.subsample:
             base["subsample"] = args.subsample
         print(f"[{spec}] utility run: {args.method}, {args.rounds} rounds", flush=True)
         summary = run_training(base, f"{slug}-{args.method}", out)
         run_dir = summary["run_dir"]
-        leak = {v: run_attack(v, run_dir, args.artifact, args.attack_clients, steps, args.seed)
+        leak = {v: run_attack(v, run_dir, args.artifact, args.attack_clients, steps, args.seed, args.device)
                 for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
         print(f"[{spec}] probe: fedsgd, batch 1, one round", flush=True)
         probe_values = {"method": "fedsgd", "model_group": args.model_group, "rounds": 1, "batch_size": 1, "seed": args.seed,
-                        "subsample": args.probe_subsample, "defense": defense}
+                        "subsample": args.probe_subsample, "defense": defense, "device": args.device}
         probe = run_training(probe_values, f"{slug}-probe-fedsgd", out)
-        probe_leak = {v: run_attack(v, probe["run_dir"], "grad", args.attack_clients, steps, args.seed)
+        probe_leak = {v: run_attack(v, probe["run_dir"], "grad", args.attack_clients, steps, args.seed, args.device)
                       for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
         row = {
             "defense": spec, "method": args.method,
