@@ -308,7 +308,11 @@ class GradientLeakage:
         _, prev = view.previous_state(record)
         model = view.model_for(record["sender"], record["kind"])
         own = model.state_dict()
-        model.load_state_dict({k: v for k, v in prev.items() if k in own}, strict=False)
+        shared = {k: v for k, v in prev.items() if k in own}
+        if not shared:  # a method whose leakage module does not name its tensors like its messages
+            raise ConfigError(f"the previous state of {record['kind']} message {record['seq']} shares no tensor names with "
+                              f"{type(model).__name__}, the module {view.info['method']} declares for it")
+        model.load_state_dict(shared, strict=False)
         target, n, note = self.target(view, record, prev)
         names = {n_ for n_, _ in model.named_parameters()}
         target = {k: v for k, v in target.items() if k in names}
