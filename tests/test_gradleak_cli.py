@@ -51,3 +51,17 @@ def test_bad_input(runs, capsys):
     assert "grad" in err(["dlg", "--artifact", "ent_rep", "--run", str(runs / "fedsgd")])
     assert "accepted: (none)" in err(["dlg", "--artifact", "update", "--run", str(runs / "fedre")])
     assert "round 5" in err(["ig", "--artifact", "model", "--round", "5", "--run", str(runs / "fedavg")])
+
+
+def test_a_leakage_module_named_unlike_the_messages_is_refused(runs, capsys, monkeypatch):
+    """A method whose leakage module does not carry its messages' tensor names must not be attacked from
+    random weights: one line, exit 2, before any optimisation."""
+    from torch import nn
+
+    from privfl.methods.fedsgd import FedSGD
+
+    monkeypatch.setattr(FedSGD, "leakage_module", classmethod(lambda cls, kind, req: nn.Sequential(nn.Flatten(), nn.Linear(784, 10))))
+    code = run_cli("privfl.attack", lambda: attack_main(["dlg", "--artifact", "grad", "--run", str(runs / "fedsgd"),
+                                                        "--clients", "0", "--steps", "2", "--no-progress"]))
+    text = capsys.readouterr().err.strip()
+    assert code == 2 and "shares no tensor names" in text and len(text.splitlines()) == 1, text
