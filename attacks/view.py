@@ -100,14 +100,9 @@ class AttackerView:
 
     def model_request(self, client: str):
         """What the attacker knows of a client's model: architecture, dataset shape, run options."""
-        from privfl.config import build_config
         from privfl.methods import ModelRequest
 
-        k = int(client.removeprefix("client"))
-        ds, method_cls = self.dataset, self.method_cls
-        cfg = build_config(self.config, getattr(method_cls, "Options", None))
-        return ModelRequest(self.info["archs"][k], k, ds["channels"], ds["num_classes"], ds["image_size"], cfg,
-                            method_cls.Options(**cfg.options))
+        return ModelRequest.from_run(self.info, self.config, int(client.removeprefix("client")))
 
     def model_for(self, client: str, kind: str = "model"):
         """A fresh module of what a ``kind`` message of the client carries, eval mode, random weights."""

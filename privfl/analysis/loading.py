@@ -118,9 +118,7 @@ class RunModels:
     def model_request(self, k: int) -> Any:
         from privfl.methods import ModelRequest
 
-        ds = self.info["dataset"]
-        return ModelRequest(self.info["archs"][k], k, ds["channels"], ds["num_classes"], ds["image_size"], self.cfg,
-                            self.method_cls.Options(**self.cfg.options))
+        return ModelRequest.from_run(self.info, self.config, k)
 
     # ------------------------------------------------------------------ models
     @cached_property

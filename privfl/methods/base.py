@@ -106,6 +106,18 @@ class ModelRequest:
     cfg: Any  # privfl.config.TrainConfig
     opts: Any  # the method's Options instance
 
+    @classmethod
+    def from_run(cls, info: dict[str, Any], config: dict[str, Any], index: int) -> ModelRequest:
+        """Client ``index``'s request rebuilt from a run's ``run.json`` and ``config.json`` (what the
+        attacker and the analysis tools know of a model: its architecture, not its weights)."""
+        from privfl.config import build_config
+
+        options_cls = getattr(resolve_method(info["method"]), "Options", None)
+        cfg = build_config(config, options_cls)
+        ds = info["dataset"]
+        opts = options_cls(**cfg.options) if options_cls is not None else None
+        return cls(info["archs"][index], index, ds["channels"], ds["num_classes"], ds["image_size"], cfg, opts)
+
 
 @dataclass
 class FLEnv:
