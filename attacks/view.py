@@ -7,6 +7,7 @@ ground truth reaches only :mod:`attacks.groundtruth`, which the scoring code use
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,10 @@ class AttackerView:
         """What this run lets an attacker have. The previous state a server broadcast is in the
         capture itself; the local hyperparameters are the run's config, which a server sets."""
         granted = set(self.info.get("knowledge", {}))
+        previous_kinds = set(self.parameter_kinds().values())
         return Knowledge(
             extractor="extractor" in granted and self.knowledge_store is not None,
-            previous_state=any(r["receiver"] != "server" and r["kind"] in set(self.parameter_kinds().values())
-                               for r in self._records),
+            previous_state=any(r["receiver"] != "server" and r["kind"] in previous_kinds for r in self._records),
             local_hyperparameters=True,
         )
 
@@ -70,7 +71,7 @@ class AttackerView:
     def load(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.capture.load(record)
 
-    @property
+    @cached_property
     def method_cls(self):
         """The trained method's class: it says which kinds carry parameters and how its models are built."""
         from privfl.methods import resolve_method
