@@ -4,12 +4,12 @@ from defenses.accounting import ClientAccountant
 from defenses.base import (
     DEFENSES,
     DIRECTIONS,
-    FULL_PARAMETER_KINDS,
-    PARAMETER_KINDS,
-    REPRESENTATION_KINDS,
+    PARAMETER_FAMILIES,
+    REPRESENTATION_FAMILIES,
     Defense,
     DefenseParams,
     build_defenses,
+    is_full_parameters,
     parse_defense,
     register_defense,
 )
@@ -18,9 +18,8 @@ from defenses.transforms import ClientDP, Clip, GaussianNoise, Quantize, RepNois
 __all__ = [
     "DEFENSES",
     "DIRECTIONS",
-    "FULL_PARAMETER_KINDS",
-    "PARAMETER_KINDS",
-    "REPRESENTATION_KINDS",
+    "PARAMETER_FAMILIES",
+    "REPRESENTATION_FAMILIES",
     "ClientAccountant",
     "ClientDP",
     "Clip",
@@ -31,6 +30,7 @@ __all__ = [
     "RepNoise",
     "TopK",
     "build_defenses",
+    "is_full_parameters",
     "parse_defense",
     "register_defense",
 ]

@@ -4,12 +4,15 @@ A defense is a channel mod (``mod(msg, ctx) -> Message``): the channel runs it o
 message before the capture, so what is captured is what a real eavesdropper would see. The base class
 does the bookkeeping every defense shares, so a concrete defense only writes :meth:`Defense.transform`:
 
-* which messages it touches (``kinds`` and ``directions``; uploads only by default, since the threat
-  model is an honest-but-curious server looking at what clients send);
+* which messages it touches: the kinds of its ``families`` (:class:`privfl.kinds.Family`, declared per
+  defense, so a kind a user registers in a family is defended like the built-in ones) or an explicit
+  ``kinds=`` list, in its ``directions`` (uploads only by default, since the threat model is an
+  honest-but-curious server looking at what clients send);
 * which tensors it touches (floating, non-``aux``: labels, class ids, counts and integer buffers such
   as BatchNorm's ``num_batches_tracked`` are bookkeeping and pass unchanged);
-* what it acts on: for kinds that carry *full parameters* it acts on the update relative to what the
-  sender last received of that kind (``ctx.reference``), because that is where DP-FedAvg clipping,
+* what it acts on: for kinds whose form is full parameters (:class:`privfl.kinds.ParamForm`) it acts on
+  the update relative to what the sender last received of that kind (``ctx.reference``), because
+  that is where DP-FedAvg clipping,
   DLG-style pruning and quantisation are defined; noising the raw weights would compare sigma with
   the weights' scale rather than with the information a round adds.
 
@@ -33,28 +36,32 @@ from privfl.capture import KINDS, Message
 from privfl.channel import ChannelContext
 from privfl.config import parse_scalar
 from privfl.errors import ConfigError
+from privfl.kinds import Family, ParamForm, kinds_of
 from privfl.registry import Registry
 
-#: Kinds whose tensors are model parameters or differences of them.
-PARAMETER_KINDS: frozenset[str] = frozenset(
-    {"model", "update", "grad", "head", "small_model", "layer", "learngene", "generator"}
+#: Families whose tensors are model parameters or differences of them.
+PARAMETER_FAMILIES: frozenset[Family] = frozenset({Family.PARAMETERS, Family.GRADIENT, Family.GENERATOR})
+#: Families whose tensors are representations or statistics of them.
+REPRESENTATION_FAMILIES: frozenset[Family] = frozenset(
+    {Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION, Family.STATISTICS}
 )
-#: Parameter kinds that carry full parameters, so a defense acts on ``tensors - reference``.
-FULL_PARAMETER_KINDS: frozenset[str] = PARAMETER_KINDS - {"update", "grad"}
-#: Kinds whose tensors are representations or statistics of them.
-REPRESENTATION_KINDS: frozenset[str] = frozenset({"rep", "proto", "ent_rep", "global_proto", "gaussians"})
 #: Message directions (see :attr:`privfl.capture.Message.direction`).
 DIRECTIONS: frozenset[str] = frozenset({"up", "down", "peer"})
 
-#: name -> :class:`Defense` subclass.
-DEFENSES: Registry[type[Defense]] = Registry("defense")
+#: name -> :class:`Defense` subclass (built-ins found in the ``defenses`` package on first lookup).
+DEFENSES: Registry[type[Defense]] = Registry("defense", discover=["defenses"])
+
+
+def is_full_parameters(kind: str) -> bool:
+    """Whether ``kind`` carries full parameters (defended as an update relative to the last received state)."""
+    return kind in KINDS and KINDS.get(kind).form is ParamForm.PARAMETERS
 
 
 @dataclass
 class DefenseParams:
     """Parameters every defense accepts; subclasses add their own (all with defaults).
 
-    ``kinds=None`` means the defense's ``default_kinds``. Both sets may be given as a '+'-separated
+    ``kinds=None`` means every kind of the defense's ``families``. Both sets may be given as a '+'-separated
     string (as in a spec) or as any iterable of names.
     """
 
@@ -133,13 +140,13 @@ def _format(value: Any) -> str:
 class Defense:
     """A channel mod that transforms the float, non-aux tensors of selected outgoing messages.
 
-    Subclasses set ``name``, ``paper``, ``default_kinds`` and ``Params`` and implement
+    Subclasses set ``name``, ``paper``, ``families`` and ``Params`` and implement
     :meth:`transform`; they register with :func:`register_defense`.
     """
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = DefenseParams
 
     def __init__(self, **params: Any):
@@ -155,14 +162,27 @@ class Defense:
             self.params = self.Params(**values)
         except ConfigError as exc:
             raise ConfigError(f"defense {self.name!r}: {exc}") from None
-        self.kinds: frozenset[str] = self.params.kinds if self.params.kinds is not None else self.default_kinds
         self.directions: frozenset[str] = self.params.directions
         self.defended_messages = 0
+
+    @classmethod
+    def default_kinds(cls) -> frozenset[str]:
+        """Every registered kind of the defense's families (kinds registered later included)."""
+        return kinds_of(cls.families)
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The kinds this defense touches: the explicit ``kinds=`` or :meth:`default_kinds`."""
+        return self.params.kinds if self.params.kinds is not None else self.default_kinds()
 
     # -- what the channel calls -------------------------------------------------------------------
 
     def applies_to(self, msg: Message) -> bool:
-        return msg.kind in self.kinds and msg.direction in self.directions
+        if msg.direction not in self.directions:
+            return False
+        if self.params.kinds is not None:
+            return msg.kind in self.params.kinds
+        return msg.kind in KINDS and KINDS.get(msg.kind).family in self.families
 
     def __call__(self, msg: Message, ctx: ChannelContext) -> Message:
         """Return a new message with the defended tensors (or ``msg`` itself when not selected)."""
@@ -171,7 +191,7 @@ class Defense:
         names = [k for k, t in msg.tensors.items() if k not in msg.aux and t.is_floating_point()]
         if not names:
             return msg
-        reference = ctx.reference(msg) if msg.kind in FULL_PARAMETER_KINDS else None
+        reference = ctx.reference(msg) if is_full_parameters(msg.kind) else None
         bases: dict[str, torch.Tensor] = {}
         updates: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -250,6 +270,8 @@ def register_defense(cls: D) -> D:
     """Class decorator: add ``cls`` to :data:`DEFENSES` under ``cls.name``."""
     if not cls.name or not dataclasses.is_dataclass(cls.Params):
         raise TypeError(f"{cls.__name__} needs a name and a dataclass Params")
+    if not cls.families or not all(isinstance(f, Family) for f in cls.families):
+        raise TypeError(f"{cls.__name__}.families must be a non-empty set of privfl.kinds.Family")
     DEFENSES.register(cls.name, cls)
     return cls
 

@@ -16,14 +16,15 @@ import torch
 
 from defenses.accounting import ClientAccountant
 from defenses.base import (
-    PARAMETER_KINDS,
-    REPRESENTATION_KINDS,
+    PARAMETER_FAMILIES,
+    REPRESENTATION_FAMILIES,
     Defense,
     DefenseParams,
     check_range,
     register_defense,
 )
 from privfl.capture import Message
+from privfl.kinds import Family
 
 
 def global_norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -66,7 +67,7 @@ class GaussianNoise(Defense):
 
     name: ClassVar[str] = "gaussian"
     paper: ClassVar[str] = "Zhu et al., Deep Leakage from Gradients, NeurIPS 2019 (noise defense)"
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = GaussianParams
 
     def transform(self, updates: dict[str, torch.Tensor], msg: Message) -> dict[str, torch.Tensor]:
@@ -99,7 +100,7 @@ class Clip(Defense):
 
     name: ClassVar[str] = "clip"
     paper: ClassVar[str] = "McMahan et al., Learning Differentially Private Recurrent Language Models, ICLR 2018"
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = ClipParams
 
     def transform(self, updates: dict[str, torch.Tensor], msg: Message) -> dict[str, torch.Tensor]:
@@ -140,7 +141,7 @@ class ClientDP(Defense):
 
     name: ClassVar[str] = "dp"
     paper: ClassVar[str] = "McMahan et al., Learning Differentially Private Recurrent Language Models, ICLR 2018"
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = DPParams
 
     def __init__(self, **params: Any):
@@ -202,7 +203,7 @@ class TopK(Defense):
 
     name: ClassVar[str] = "topk"
     paper: ClassVar[str] = "Zhu et al., Deep Leakage from Gradients, NeurIPS 2019 (gradient pruning)"
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = TopKParams
 
     @staticmethod
@@ -251,7 +252,7 @@ class Quantize(Defense):
 
     name: ClassVar[str] = "quantize"
     paper: ClassVar[str] = "Zhu et al., Deep Leakage from Gradients, NeurIPS 2019 (reduced precision)"
-    default_kinds: ClassVar[frozenset[str]] = PARAMETER_KINDS
+    families: ClassVar[frozenset[Family]] = PARAMETER_FAMILIES
     Params: ClassVar[type] = QuantizeParams
 
     def transform(self, updates: dict[str, torch.Tensor], msg: Message) -> dict[str, torch.Tensor]:
@@ -298,7 +299,7 @@ class RepNoise(Defense):
 
     name: ClassVar[str] = "repnoise"
     paper: ClassVar[str] = "Dwork & Roth, The Algorithmic Foundations of Differential Privacy, 2014 (Gaussian mechanism)"
-    default_kinds: ClassVar[frozenset[str]] = REPRESENTATION_KINDS
+    families: ClassVar[frozenset[Family]] = REPRESENTATION_FAMILIES
     Params: ClassVar[type] = RepNoiseParams
 
     def transform(self, updates: dict[str, torch.Tensor], msg: Message) -> dict[str, torch.Tensor]:

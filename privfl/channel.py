@@ -4,21 +4,30 @@ Order on ``send``: mods (defenses) transform the outgoing message, then the capt
 what left, then the receiver gets its own copy. Capture therefore sits outermost, as Flower's
 ``message_size_mod`` does, and a receiver can never alias the sender's tensors.
 
+Before anything else the channel checks the message against its kind's declaration and the sending
+method's ``sends`` (:func:`privfl.kinds.check_message`): a malformed message fails at its first send,
+in one line that names the method, the kind and what to fix, before it is captured. ``aux`` (the
+bookkeeping tensors the papers' counts leave out) comes from the kind.
+
 The channel is also the only place that sees both a message and the samples behind it: the sender
 passes ``truth=`` (sample ids, weights) and the channel files it in the ground-truth store under the
 message's sequence number, apart from the capture.
+
+Observers (``Channel.observers``, e.g. :class:`privfl.engine.TrainCallback`) are called after every
+send with the receiver's copy and the capture record; tests inject faults through them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from privfl.capture.message import Message
 from privfl.capture.store import TensorStore
+from privfl.kinds import KINDS, check_message
 
 
 class ChannelContext:
@@ -39,6 +48,7 @@ class ChannelContext:
 
 
 Mod = Callable[[Message, ChannelContext], Message]
+Observer = Callable[[Message, dict[str, Any]], None]
 
 
 class Channel:
@@ -47,16 +57,26 @@ class Channel:
         capture: TensorStore | None = None,
         truth: TensorStore | None = None,
         mods: Sequence[Mod] = (),
+        *,
+        method: str = "the method",
+        sends: Mapping[str, str] | None = None,
+        observers: Sequence[Observer] = (),
     ):
         self.capture = capture
         self.truth = truth
         self.mods = list(mods)
+        self.method, self.sends = method, sends
+        self.observers = list(observers)
         self._seq = len(capture.records(strict=False)) if capture is not None else 0
         self._round_records: list[dict[str, Any]] = []
         self.context = ChannelContext()
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
         """Transmit ``msg``; returns the receiver's copy (after mods)."""
+        check_message(msg, self.method, self.sends)
+        aux = tuple(n for n in KINDS.get(msg.kind).aux_names if n in msg.tensors) or msg.aux
+        if aux != msg.aux:
+            msg = Message(msg.round, msg.sender, msg.receiver, msg.kind, msg.tensors, msg.meta, aux)
         for mod in self.mods:
             msg = mod(msg, self.context)
         record = {
@@ -84,6 +104,8 @@ class Channel:
         self._round_records.append(record)
         delivered = self._deliver(msg)
         self.context.delivered(delivered)
+        for observer in self.observers:
+            observer(delivered, record)
         return delivered
 
     def broadcast(

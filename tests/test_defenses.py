@@ -12,10 +12,15 @@ from defenses.transforms import ClientDP, Clip, GaussianNoise, Quantize, RepNois
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel
 from privfl.errors import ConfigError, UnknownNameError
+from privfl.kinds import kinds_of
+
+
+#: what each kind's uploads must say (privfl.kinds): the samples behind an update, the batch of a gradient
+REQUIRED_META = {"grad": {"batch_size": 1}, "update": {"num_samples": 1}, "model": {"num_samples": 1}, "head": {"num_samples": 1}}
 
 
 def up(kind: str, tensors: dict[str, torch.Tensor], *, round: int = 0, sender: str = "client0", aux=()) -> Message:
-    return Message(round, sender, "server", kind, tensors, {"note": "x"}, tuple(aux))
+    return Message(round, sender, "server", kind, tensors, {"note": "x", **REQUIRED_META.get(kind, {})}, tuple(aux))
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -44,7 +49,8 @@ def test_new_message_keeps_header_and_sender_tensors():
     msg = up("update", {"w": x})
     got = GaussianNoise(sigma=1.0)(msg, Channel().context)
     assert got is not msg
-    assert (got.round, got.sender, got.receiver, got.kind, got.meta, got.aux) == (0, "client0", "server", "update", {"note": "x"}, ())
+    assert (got.round, got.sender, got.receiver, got.kind, got.meta, got.aux) == (0, "client0", "server", "update",
+                                                                                  {"note": "x", "num_samples": 1}, ())
     assert torch.equal(msg.tensors["w"], torch.ones(10))  # the sender's tensors are not modified in place
     assert not torch.equal(got.tensors["w"], x)
 
@@ -158,9 +164,9 @@ def test_quantize_levels_and_error(bits: int):
 
 
 def test_repnoise_changes_rep_not_label():
-    rep, label = randn(8, 16, seed=1), torch.softmax(randn(8, 10, seed=2), dim=1)
+    rep, label = randn(128, seed=1), torch.softmax(randn(10, seed=2), dim=0)
     ch = Channel(mods=[RepNoise(sigma=0.1)])
-    got = ch.send(up("ent_rep", {"rep": rep, "label": label}, aux=("label",)))
+    got = ch.send(up("ent_rep", {"rep": rep, "label": label}))  # the kind makes "label" aux
     assert not torch.equal(got.tensors["rep"], rep)
     assert (got.tensors["rep"] - rep).std().item() == pytest.approx(0.1, rel=0.25)
     assert torch.equal(got.tensors["label"], label)
@@ -177,9 +183,9 @@ def test_kinds_and_directions_filtering():
     ch = Channel(mods=[GaussianNoise(sigma=1.0)])
     sent = ch.broadcast(0, ["client0"], "head", head)
     assert torch.equal(sent["client0"].tensors["w"], head["w"])  # server broadcast: untouched by default
-    protos = {"p": randn(3, 4, seed=2)}
-    assert torch.equal(ch.send(up("proto", protos)).tensors["p"], protos["p"])  # not a parameter kind
-    peer = Message(0, "client0", "client1", "head", head)
+    protos = {"protos": randn(3, 4, seed=2), "classes": torch.arange(3)}
+    assert torch.equal(ch.send(up("proto", protos)).tensors["protos"], protos["protos"])  # not a parameter kind
+    peer = Message(0, "client0", "client1", "head", head, {"num_samples": 1})
     assert torch.equal(ch.send(peer).tensors["w"], head["w"])
 
     both = Channel(mods=[parse_defense("gaussian:sigma=1,directions=up+down,kinds=head")])
@@ -195,7 +201,7 @@ def test_registry_names():
     assert DEFENSES.names() == ["clip", "dp", "gaussian", "quantize", "repnoise", "topk"]
     for name in DEFENSES:
         cls = DEFENSES.get(name)
-        assert cls.name == name and cls.paper and cls.__doc__ and cls.default_kinds
+        assert cls.name == name and cls.paper and cls.__doc__ and cls.families and cls.default_kinds()
 
 
 def test_parse_round_trip():
@@ -213,7 +219,7 @@ def test_parse_round_trip():
     for name in DEFENSES:
         default = parse_defense(name)
         assert parse_defense(default.spec).params == default.params
-        assert default.kinds == default.default_kinds
+        assert default.kinds == default.default_kinds() == kinds_of(default.families)
     assert [type(x) for x in build_defenses(["clip", "topk:keep=0.5"])] == [Clip, TopK]
 
 

@@ -2,7 +2,8 @@
 
 After Flower's ``Message`` (content + metadata, typed records that check on write): keys are strings,
 tensors are detached, ``kind`` comes from a closed vocabulary and ``meta`` is JSON only, so a mistake
-fails at the sender instead of deep inside an attack.
+fails at the sender instead of deep inside an attack. What a kind must carry is checked by the
+channel when the message is sent (:func:`privfl.kinds.check_message`), where the sending method is known.
 """
 
 from __future__ import annotations
@@ -13,23 +14,7 @@ from typing import Any
 
 import torch
 
-#: The artifact kinds every CLI accepts by name (DESIGN.md "Capture"), with what each one carries.
-KINDS: dict[str, str] = {
-    "rep": "per-sample representations (+ their labels)",
-    "proto": "per-class local prototypes (+ class ids and counts)",
-    "global_proto": "per-class global prototypes broadcast by a server",
-    "ent_rep": "entangled representation (+ its dense entangled label)",
-    "head": "classifier head parameters",
-    "model": "full model parameters",
-    "update": "parameter update (difference to the previous state)",
-    "grad": "gradients",
-    "logits": "per-sample or per-class logits",
-    "small_model": "shared small model parameters",
-    "layer": "parameters of single layers",
-    "generator": "generator parameters",
-    "learngene": "Learngene parameters",
-    "gaussians": "class-wise Gaussian parameters",
-}
+from privfl.kinds import KINDS  # the vocabulary, declared once in privfl.kinds (re-exported for the CLIs)
 
 
 def _check_meta(meta: dict[str, Any]) -> None:
@@ -37,6 +22,9 @@ def _check_meta(meta: dict[str, Any]) -> None:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"Message.meta must be JSON-serialisable: {exc}") from None
+
+
+__all__ = ["KINDS", "Message"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +45,8 @@ class Message:
     aux: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown message kind {self.kind!r}; accepted: {', '.join(sorted(KINDS))}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise TypeError(f"Message.kind must be a kind name (privfl.kinds.KINDS), got {self.kind!r}")
         if not self.tensors:
             raise ValueError("a message must carry at least one tensor")
         for key, value in self.tensors.items():
