@@ -1,8 +1,18 @@
-"""Federated methods, one module each, registered by name in :data:`METHODS`."""
+"""Federated methods, one module each, registered by name in :data:`METHODS`, and the method contract."""
 
-from privfl.methods import fedallrep, fedmrl, fednova, fedre, fedsgd, prototypes, simple  # noqa: F401  (registration)
-from privfl.methods import fedfree  # noqa: F401  (registration)
-from privfl.methods import drdfl  # noqa: F401  (registration)
-from privfl.methods.base import METHODS, Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, resolve_method
+from privfl.methods.base import (
+    METHODS,
+    Client,
+    DataView,
+    FLEnv,
+    FLMethod,
+    KnowledgeRecorder,
+    LeakageContext,
+    ModelRequest,
+    check_method_class,
+    resolve_method,
+)
+from privfl.methods.trainer import LocalStats, LocalTrainer
 
-__all__ = ["METHODS", "Client", "DataView", "FLEnv", "FLMethod", "KnowledgeRecorder", "ModelRequest", "resolve_method"]
+__all__ = ["METHODS", "Client", "DataView", "FLEnv", "FLMethod", "KnowledgeRecorder", "LeakageContext", "LocalStats", "LocalTrainer",
+           "ModelRequest", "check_method_class", "resolve_method"]

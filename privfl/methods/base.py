@@ -1,9 +1,21 @@
-"""What a federated method is to the engine, and the local-training helpers methods share.
+"""What a federated method is to the engine: the method contract.
 
-A method says what a client does in a round, what the server does, and which messages they exchange.
-Every exchange goes through ``env.channel``; a method that reads another party's state without a
-message has a bug. Register built-in methods with ``@METHODS.register("name")``; a user's own method
-is a subclass of :class:`FLMethod` given by import path (``package.module:Class``).
+A method says what a client does in a round, what the server (or a neighbour) does, and which
+messages they exchange. It is training only:
+
+- every exchange goes through ``env.channel`` (``self.send`` / ``self.channel.broadcast``); a method
+  that reads another party's state without a message has a bug. What it sends is declared in
+  ``sends`` (kind -> direction) and each message is checked against its kind (:mod:`privfl.kinds`);
+- local training goes through the shared :class:`~privfl.methods.trainer.LocalTrainer` (``self.trainer``),
+  customised by an objective, parameter groups or a hook, never by copying the seeded loop;
+- what an attacker needs to rebuild a parameter-like message's context (which received message was
+  the previous state, which part of the client model the tensors belong to, how it maps images to
+  class scores) is declared as data, :class:`LeakageContext` in ``leakage``; the attack side reads it
+  and replays nothing of the method.
+
+Register built-in methods with ``@METHODS.register("name")``; a user's own method is a subclass of
+:class:`FLMethod` given by import path (``package.module:Class``). :func:`check_method_class` is the
+load-time check both go through.
 """
 
 from __future__ import annotations
@@ -18,11 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from privfl.capture.message import Message
-from privfl.errors import ConfigError, UnknownNameError
+from privfl.errors import ConfigError
+from privfl.kinds import KINDS, Family, ParamForm, check_sends
+from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
 from privfl.registry import Registry
-from privfl.seeding import seed_global, torch_generator
+from privfl.seeding import seed_global
 
-METHODS: Registry[type[FLMethod]] = Registry("method")
+METHODS: Registry[type[FLMethod]] = Registry("method", discover=["privfl.methods"])
 
 
 @dataclass
@@ -119,6 +133,49 @@ class ModelRequest:
         return cls(info["archs"][index], index, ds["channels"], ds["num_classes"], ds["image_size"], cfg, opts)
 
 
+PREVIOUS_RULES = ("last-received", "layer-replay")
+READOUTS = ("logits", "probe")
+
+
+@dataclass(frozen=True)
+class LeakageContext:
+    """What an attacker needs to turn a parameter-like message of one kind into a differentiable loss.
+
+    Declared per kind in :attr:`FLMethod.leakage`; read by gradient-leakage attacks, which build the
+    module from :meth:`FLMethod.build_client_model` (the architecture, which the attacker knows) and
+    replay nothing of the method's training.
+
+    - ``previous``: the kind of the message whose last copy delivered to the sender is the state the
+      message was computed from (``model`` for a gradient of a FedAvg-style model; the same kind for a
+      shared sub-model). ``previous_rule``: ``last-received`` (that message; a message whose meta names
+      ``previous_round`` takes the one received in that round) or ``layer-replay`` (FedFree: an
+      uploaded layer's start-of-round value rebuilt from the sender's earlier uploads and the
+      downloads it applied, see :func:`privfl.kinds.apply_layer_download`).
+    - ``module``: dotted path of the client-model submodule the tensors are parameters of ("": the
+      whole client model); ``prefix``: what the message puts before that submodule's own parameter
+      names; ``output``: when the submodule returns a tuple, the element that goes on.
+    - ``readout``: ``logits`` when the submodule's output are class scores, ``probe`` when they are
+      features and the attacker appends a classifier of its own (``probe_hidden`` units, random: it
+      never sees the client's).
+    - ``note``: what the attacker's loss leaves out of the client's true objective (reported).
+    """
+
+    previous: str
+    previous_rule: str = "last-received"
+    module: str = ""
+    prefix: str = ""
+    output: int | None = None
+    readout: str = "logits"
+    probe_hidden: int = 128
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.previous_rule not in PREVIOUS_RULES:
+            raise ValueError(f"LeakageContext.previous_rule must be one of {PREVIOUS_RULES}, got {self.previous_rule!r}")
+        if self.readout not in READOUTS:
+            raise ValueError(f"LeakageContext.readout must be one of {READOUTS}, got {self.readout!r}")
+
+
 @dataclass
 class FLEnv:
     """Everything a method may use: its own clients, data access, the channel and the knowledge log."""
@@ -132,16 +189,20 @@ class FLEnv:
     channel: Any  # privfl.channel.Channel
     knowledge: KnowledgeRecorder
     topology: Any = None  # privfl.topology.Star | Ring, from FLMethod.build_topology
+    trainer: LocalTrainer | None = None  # the shared seeded local loop (made from cfg and data when absent)
 
 
 class FLMethod:
     """Base class of every method (star topology)."""
 
     name: ClassVar[str] = ""
-    #: message kinds this method transmits, with their direction
+    #: message kinds this method transmits, with their direction ("up", "down", "peer", "up/down")
     sends: ClassVar[dict[str, str]] = {}
     #: what a run of this method lets an attacker have beside the messages
     exposes: ClassVar[tuple[str, ...]] = ()
+    #: per parameter-like kind it sends, what an attacker needs to rebuild its context (see
+    #: :class:`LeakageContext`); kinds left out get :meth:`leakage_context`'s default
+    leakage: ClassVar[dict[str, LeakageContext]] = {}
     Options: ClassVar[type] = NoOptions
     requires_homogeneous: ClassVar[bool] = False
     paper: ClassVar[str] = ""
@@ -150,6 +211,7 @@ class FLMethod:
         self.env = env
         self.opts = env.opts
         self.cfg = env.cfg
+        self.trainer = env.trainer if env.trainer is not None else LocalTrainer(env.cfg, env.data)
         if self.requires_homogeneous and len({c.arch for c in env.clients}) > 1:
             archs = sorted({c.arch for c in env.clients})
             raise ConfigError(
@@ -178,24 +240,23 @@ class FLMethod:
 
         return Star(cfg.num_clients)
 
-    #: message kinds whose tensors are parameters (or gradients/updates of parameters) of a module
-    #: the attacker can rebuild, mapped to the kind of the message that gives the previous state
-    #: (what the sender last received). Gradient-leakage attacks accept exactly these kinds.
-    parameter_kinds: ClassVar[dict[str, str]] = {"grad": "model", "update": "model", "model": "model"}
-
     @classmethod
-    def attacker_previous_state(cls, view, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-        """The previous state of a parameter message, for methods whose attacker rebuilds it from several
-        captured messages (FedFree); None keeps the default rule: the last ``parameter_kinds[kind]``
-        message the sender received."""
-        return None
-
-    @classmethod
-    def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
-        """The module whose parameters a ``kind`` message carries, mapping images to logits (the loss
-        a gradient-leakage attacker differentiates). Its parameter names match the message's tensor
-        names. Default: the whole client model."""
-        return cls.build_client_model(req)
+    def leakage_context(cls, kind: str) -> LeakageContext | None:
+        """The declared :class:`LeakageContext` of a parameter-like ``kind``, else the default: the
+        whole client model, whose previous state is the last ``model`` the sender received for a
+        gradient or update, and the last message of the same kind for full parameters. None for
+        kinds the method does not send or that are not parameter-like."""
+        if kind in cls.leakage:
+            return cls.leakage[kind]
+        if kind not in cls.sends:
+            return None
+        spec = KINDS.get(kind) if kind in KINDS else None
+        if spec is None or spec.form is None or spec.family is Family.GENERATOR:
+            return None
+        legacy = getattr(cls, "parameter_kinds", None)
+        if isinstance(legacy, dict) and kind in legacy:  # the pre-0.2 declaration {kind: previous kind}
+            return LeakageContext(previous=legacy[kind])
+        return LeakageContext(previous="model" if spec.form in (ParamForm.GRADIENT, ParamForm.UPDATE) else kind)
 
     # -------------------------------------------------------------- protocol
     def setup(self) -> None:
@@ -225,12 +286,8 @@ class FLMethod:
         return [c.name for c in self.env.clients]
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        if cfg.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        if cfg.optimizer == "adam":
-            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        raise UnknownNameError("optimizer", cfg.optimizer, ["sgd", "adam"])
+        """The run's optimizer over ``params`` (see :meth:`LocalTrainer.make_optimizer`)."""
+        return self.trainer.make_optimizer(params)
 
     def local_train(
         self,
@@ -241,28 +298,15 @@ class FLMethod:
         """Local CE training (Eq. 1 of FedRE) for ``local_epochs``; returns the mean batch loss.
 
         ``extra_loss(reps, logits, y)`` adds a method's regulariser (e.g. FedProto's prototype term).
-        The optimizer is created afresh each round (plain SGD carries no state); shuffling and
-        dropout are seeded from (seed, round, client) so a resumed run repeats them exactly.
+        A shortcut for ``self.trainer.fit(rnd, client, objective).loss``; use the trainer directly for
+        other objectives, parameter groups or hooks.
         """
-        model = client.model
-        model.train()
-        seed_global(self.cfg.seed, "local", rnd, client.index)
-        opt = self.make_optimizer(model.parameters())
-        total, batches = 0.0, 0
-        for epoch in range(self.cfg.local_epochs):
-            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch)
-            for x, y in self.env.data.batches(client.train_idx, self.cfg.batch_size, gen):
-                reps = model.represent(x)
-                logits = model.head(reps)
-                loss = F.cross_entropy(logits, y)
-                if extra_loss is not None:
-                    loss = loss + extra_loss(reps, logits, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += loss.item()
-                batches += 1
-        return total / max(batches, 1)
+        objective = with_representation_term(extra_loss) if extra_loss is not None else None
+        return self.fit(rnd, client, objective).loss
+
+    def fit(self, rnd: int, client: Client, objective=None, **hooks: Any) -> LocalStats:
+        """:meth:`LocalTrainer.fit` on one client (objective, parameters, optimizer, before_step, epochs)."""
+        return self.trainer.fit(rnd, client, objective, **hooks)
 
     @torch.no_grad()
     def representations(self, client: Client, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,7 +376,8 @@ def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> 
 
 
 def resolve_method(name: str) -> type[FLMethod]:
-    """A registered method, or a user's ``package.module:Class`` (imported, never eval'd)."""
+    """A registered method, or a user's ``package.module:Class`` (imported, never eval'd), checked by
+    :func:`check_method_class`."""
     if ":" not in name:
         return METHODS.get(name)
     module_name, _, attr = name.partition(":")
@@ -342,4 +387,31 @@ def resolve_method(name: str) -> type[FLMethod]:
         raise ConfigError(f"cannot import method {name!r}: {exc}") from None
     if not (isinstance(obj, type) and issubclass(obj, FLMethod)):
         raise ConfigError(f"{name!r} is not a subclass of privfl.methods.FLMethod")
+    check_method_class(obj)
     return obj
+
+
+#: hooks of earlier releases that are no longer called, with what replaces them
+_RETIRED_HOOKS = {
+    "leakage_module": "declare leakage = {KIND: LeakageContext(previous=..., module='submodule.path', ...)}",
+    "attacker_previous_state": "declare leakage = {KIND: LeakageContext(previous=KIND, previous_rule=...)}",
+}
+
+
+def check_method_class(cls: type[FLMethod]) -> None:
+    """One-line errors for a method that cannot work, found when it is loaded (before any training):
+    unknown kinds or directions in ``sends``, leakage declarations of kinds it does not send, and hooks
+    of earlier releases that privfl no longer calls (docs/extending.md, "Migrating")."""
+    label = cls.name or cls.__name__
+    if not isinstance(cls.sends, dict):
+        raise ConfigError(f"{label}.sends must be a dict kind -> direction, e.g. {{'model': 'up/down'}}")
+    check_sends(label, cls.sends)
+    for hook, instead in _RETIRED_HOOKS.items():
+        if any(hook in vars(k) for k in cls.__mro__ if k is not FLMethod):
+            raise ConfigError(f"{label}.{hook} is no longer called (attacks read declared data, not method code): {instead}; "
+                              "see docs/extending.md#migrating")
+    for kind, ctx in cls.leakage.items():
+        if kind not in cls.sends:
+            raise ConfigError(f"{label}.leakage declares {kind!r}, which it does not send (sends: {', '.join(cls.sends) or 'nothing'})")
+        if not isinstance(ctx, LeakageContext):
+            raise ConfigError(f"{label}.leakage[{kind!r}] must be a privfl.methods.LeakageContext")

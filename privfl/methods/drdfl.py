@@ -32,7 +32,7 @@ from torchvision.models.resnet import BasicBlock
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, ModelRequest
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
 from privfl.seeding import derive_seed, numpy_rng, seed_global, torch_generator
 from privfl.topology import Ring, parse_failures
 
@@ -269,20 +269,6 @@ class DRDFLModel(nn.Module):
         return self.classifier(x_rec)
 
 
-class LearngeneProbe(nn.Module):
-    """What a ring neighbour attacking a Learngene message can differentiate: the Learngene (the
-    message's tensors, same names) followed by a classifier of its own on the latent mean, shaped
-    like the private adversarial classifier (d_l -> 128 -> K) it never sees; randomly initialised."""
-
-    def __init__(self, learngene: Learngene, latent_dim: int, num_classes: int):
-        super().__init__()
-        self.learngene = learngene
-        self.head = nn.Sequential(nn.Linear(latent_dim, 128), nn.ReLU(), nn.Linear(128, num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.learngene(x)[0])
-
-
 def batch_losses(model: DRDFLModel, x: torch.Tensor, y: torch.Tensor, o: DRDFLOptions,
                  opt_adv: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
     """Every loss of Sec. III on one batch, routed as ``o.routing`` says; ``train_loss`` is their sum,
@@ -342,7 +328,13 @@ class DRDFL(FLMethod):
     exposes = ()
     Options = DRDFLOptions
     paper = "Guo, Lv, Geng, DRDFL: ring-topology decentralized FL (Learngene + PersonaNet)"
-    parameter_kinds = {"learngene": "learngene"}
+    #: a ring neighbour attacking a Learngene message differentiates the Learngene (the message's
+    #: tensors, named ``learngene.*``) followed by a classifier of its own on the latent mean, shaped like
+    #: the private adversarial classifier (d_l -> 128 -> K) it never sees; its previous state is the
+    #: Learngene the sender received in the round named by the message's ``previous_round``
+    leakage = {"learngene": LeakageContext(
+        previous="learngene", module="learngene", prefix="learngene.", output=0, readout="probe", probe_hidden=128,
+        note="the neighbour's own random classifier on mu_l stands in for the sender's private losses")}
 
     @classmethod
     def build_client_model(cls, req: ModelRequest) -> nn.Module:
@@ -363,11 +355,6 @@ class DRDFL(FLMethod):
     @classmethod
     def build_topology(cls, cfg: Any, opts: DRDFLOptions) -> Ring:
         return Ring(cfg.num_clients, parse_failures(opts.failures, cfg.num_clients), opts.failure_rate, cfg.seed)
-
-    @classmethod
-    def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
-        learngene, _ = _build_learngene(req, req.opts)
-        return LearngeneProbe(learngene, req.opts.latent_dim, req.num_classes)
 
     def __init__(self, env):
         super().__init__(env)
@@ -486,38 +473,24 @@ class DRDFL(FLMethod):
 
     def _optimizer(self, params) -> torch.optim.Optimizer:
         if self.opts.local_optimizer == "adam":
-            return torch.optim.Adam(params, lr=self.opts.adam_lr, weight_decay=self.cfg.weight_decay)
+            return self.trainer.make_optimizer(params, lr=self.opts.adam_lr, optimizer="adam")
         return self.make_optimizer(params)
 
     def train_client(self, rnd: int, client: Client) -> dict[str, float]:
-        """``local_epochs`` of Alg. 1's local update; optimizers fresh each round (resume stays exact)."""
+        """``local_epochs`` of Alg. 1's local update; optimizers fresh each round (resume stays exact).
+        Per batch the adversary first takes its own step (alternating mode, inside the objective), then
+        one backward of the summed loss trains every other module."""
         model: DRDFLModel = client.model
-        o = self.opts
-        model.train()
-        seed_global(self.cfg.seed, "local", rnd, client.index)
-        alternate = o.adversarial == "alternate"
-        main = [p for n, p in model.named_parameters() if not (alternate and n.startswith("adversary."))]
-        opt_main = self._optimizer(main)
+        alternate = self.opts.adversarial == "alternate"
         opt_adv = self._optimizer(model.adversary.parameters()) if alternate else None
-        sums: dict[str, float] = {}
-        batches = 0
-        for epoch in range(self.cfg.local_epochs):
-            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch)
-            for x, y in self.env.data.batches(client.train_idx, self.cfg.batch_size, gen):
-                losses = self.step(model, x, y, opt_main, opt_adv)
-                for k, v in losses.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                batches += 1
-        return {k: v / max(batches, 1) for k, v in sums.items()}
 
-    def step(self, model: DRDFLModel, x: torch.Tensor, y: torch.Tensor, opt_main: torch.optim.Optimizer,
-             opt_adv: torch.optim.Optimizer | None) -> dict[str, float]:
-        """One batch: the adversary's step (alternating mode), then one backward for every other module."""
-        losses = batch_losses(model, x, y, self.opts, opt_adv)
-        opt_main.zero_grad(set_to_none=True)
-        losses["train_loss"].backward()
-        opt_main.step()
-        return {k: float(v.detach()) for k, v in losses.items()}
+        def objective(model: DRDFLModel, x: torch.Tensor, y: torch.Tensor):
+            losses = batch_losses(model, x, y, self.opts, opt_adv)
+            total = losses.pop("train_loss")
+            return total, {k: v.detach() for k, v in losses.items()}
+
+        main = [p for n, p in model.named_parameters() if not (alternate and n.startswith("adversary."))]
+        return self.fit(rnd, client, objective, optimizer=lambda m: self._optimizer(main)).as_dict("train_loss")
 
     # ------------------------------------------------------------------ metrics
     @torch.no_grad()
@@ -556,5 +529,5 @@ class DRDFL(FLMethod):
                 self.inbox[m] = (int(v), lg, ga)
 
 
-__all__ = ["DRDFL", "batch_losses", "DRDFLModel", "DRDFLOptions", "LearngeneProbe", "gaussian_log_density", "gm_logits", "persona_loss",
+__all__ = ["DRDFL", "batch_losses", "DRDFLModel", "DRDFLOptions", "gaussian_log_density", "gm_logits", "persona_loss",
            "kl_standard_normal", "uniform_confusion", "ema_mix", "grad_reverse", "cifar_resnet18"]

@@ -14,7 +14,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.methods.base import METHODS, Client
-from privfl.methods.fedre import GlobalHeadServer, HeadServerOptions
+from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 
 
 @dataclass

@@ -33,8 +33,9 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.errors import CaptureError, ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, ModelRequest, load_module_tensors, module_tensors
+from privfl.errors import ConfigError
+from privfl.kinds import apply_layer_download
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 EPS = 1e-12
@@ -213,14 +214,9 @@ def project_to(weight: torch.Tensor, bias: torch.Tensor | None, groups: int, g_w
     return w_out, b_out, w_mask, b_mask, out_mask
 
 
-def overwrite(local: torch.Tensor, incoming: torch.Tensor, fill: str) -> torch.Tensor:
-    """Eq. 7 on one tensor: the first d_min flattened entries from ``incoming``; the rest kept or zeroed."""
-    out = local.detach().clone().reshape(-1)
-    if fill == "zero":
-        out.zero_()
-    d = min(out.numel(), incoming.numel())
-    out[:d] = incoming.reshape(-1)[:d].to(out.dtype)
-    return out.view_as(local)
+#: Eq. 7 on one tensor: the first d_min flattened entries from ``incoming``; the rest kept or zeroed
+#: (the ``layer`` kind's declared download semantics, shared with the attacker's replay)
+overwrite = apply_layer_download
 
 
 def layer_forward(layer: LayerInfo, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -284,9 +280,12 @@ class FedFree(FLMethod):
     exposes = ()
     Options = FedFreeOptions
     paper = "Du et al., FedFree, NeurIPS 2025"
-    #: an uploaded layer's previous state is rebuilt from the client's own upload and the server's
-    #: download of the round before (see :meth:`attacker_previous_state`)
-    parameter_kinds = {"layer": "layer"}
+    #: an uploaded layer's start-of-round value is known to the server only from the client's own
+    #: upload of it and the download it applied in the round before (``layer-replay``); the tensors
+    #: carry the client model's own parameter names, so the attacker differentiates the whole model,
+    #: other layers at the latest value it saw of them (else random init)
+    leakage = {"layer": LeakageContext(previous="layer", previous_rule="layer-replay",
+                                       note="layers the message does not carry are stale or random in the attacker's model")}
 
     # ------------------------------------------------------------------ models
     @classmethod
@@ -300,14 +299,6 @@ class FedFree(FLMethod):
         spec = {"arch": req.arch, "in_channels": req.in_channels, "num_classes": req.num_classes,
                 "image_size": req.image_size, "rep_dim": dim, "mapping": "ap"}
         return SplitModel(req.arch, features, dim, AvgPoolMapping(dim, dim), nn.Linear(dim, req.num_classes), spec)
-
-    @classmethod
-    def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
-        """The client's whole model: uploaded tensors carry its own parameter names. Layers the
-        message does not carry are whatever the attacker last saw of them (else random init)."""
-        if kind != "layer":
-            raise ConfigError(f"fedfree sends only 'layer' messages, not {kind!r}")
-        return cls.build_client_model(req)
 
     def __init__(self, env):
         super().__init__(env)
@@ -500,76 +491,6 @@ class FedFree(FLMethod):
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         load_module_tensors(self.global_model, {k.removeprefix("global."): v for k, v in state.items() if k.startswith("global.")})
-
-    # ------------------------------------------------------------------ attacker side
-    @classmethod
-    def attacker_previous_state(cls, view, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """What an honest-but-curious server knows of the uploading client's state before the round.
-
-        An uploaded layer's start-of-round value θ^{t-1} is known exactly when the client uploaded the
-        same layer in round t-1 (the upload is its post-training value) and the server then either did
-        not overwrite it or overwrote it in a way the server can replay (Eq. 7 with its own download),
-        or when the server's round t-1 download replaced every entry of it. Otherwise the delta cannot
-        be formed and that layer is left out of the target. Every other layer of the client's model is
-        filled with the latest value the server saw of it (a stale surrogate), else left at random init.
-        Raises CaptureError when no uploaded layer of the message has a known start state.
-        """
-        if record["kind"] != "layer" or record["receiver"] != "server":
-            raise CaptureError(f"fedfree: gradient leakage applies to uploaded layers, not message {record['seq']}")
-        client, rnd = record["sender"], record["round"]
-        msgs = [r for r in view.messages("layer") if r["seq"] < record["seq"] and client in (r["sender"], r["receiver"])]
-        state: dict[str, torch.Tensor] = {}
-        for r in msgs:  # stale surrogate, in order: later uploads and replayed downloads win
-            tensors = view.load(r)
-            if r["sender"] == client:
-                state.update(tensors)
-            else:
-                state.update(_replay(r["meta"], tensors, state))
-        ups_prev = [r for r in msgs if r["round"] == rnd - 1 and r["sender"] == client]
-        down_prev = [r for r in msgs if r["round"] == rnd - 1 and r["receiver"] == client]
-        uploaded_prev = {k: v for r in ups_prev for k, v in view.load(r).items()}
-        replayed = _replay(down_prev[0]["meta"], view.load(down_prev[0]), uploaded_prev) if down_prev else {}
-        prev: dict[str, torch.Tensor] = {}
-        unknown = []
-        for lm in record["meta"]["layers"]:
-            names = [f"{lm['name']}.weight"] + ([f"{lm['name']}.bias"] if lm["bias"] else [])
-            known = {n: replayed.get(n, uploaded_prev.get(n)) for n in names}
-            if all(v is not None for v in known.values()):
-                prev.update(known)
-            else:
-                unknown.append(lm["name"])
-        if not prev:
-            raise CaptureError(
-                f"fedfree: the server does not know the start-of-round state of {client}'s uploaded layers "
-                f"{', '.join(unknown)} in round {rnd} (not uploaded, nor fully sent to it, in round {rnd - 1}); "
-                "no update to invert, try a later round")
-        surrogate = {k: v for k, v in state.items() if k.rsplit(".", 1)[0] not in {lm["name"] for lm in record["meta"]["layers"]}}
-        base = down_prev[-1] if down_prev else ups_prev[-1]
-        return base, {**surrogate, **prev}
-
-
-def _replay(meta: dict[str, Any], tensors: dict[str, torch.Tensor], local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The client's target layer after a download (Eq. 7), as far as the server can compute it: from
-    ``local`` (what it knows of the layer before the overwrite), or without it when the download
-    determines every entry (``fill="zero"``, or at least as many entries as the layer has)."""
-    g, target, fill = meta["global_layer"], meta["target"], meta["fill"]
-    shapes = {"weight": meta["target_shape"], "bias": [meta["target_shape"][0]] if meta["target_bias"] else None}
-    out = {}
-    for part, shape in shapes.items():
-        if shape is None:
-            continue
-        name, incoming = f"{target}.{part}", tensors.get(f"{g}.{part}")
-        before = local.get(name)
-        numel = math.prod(shape)
-        complete = fill == "zero" or (incoming is not None and incoming.numel() >= numel)
-        if before is None and not complete:
-            continue
-        before = before if before is not None else torch.zeros(shape)
-        if incoming is None:
-            out[name] = torch.zeros_like(before) if fill == "zero" else before
-        else:
-            out[name] = overwrite(before, incoming, fill)
-    return out
 
 
 __all__ = ["FedFree", "FedFreeOptions", "LayerInfo", "candidate_layers", "change_score", "entropy", "kge", "match_layer",

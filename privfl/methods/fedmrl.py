@@ -23,9 +23,9 @@ by sample count over the selected clients (Sec. 3.3). F_k and P_k never leave th
 the client's architecture (no ``arch`` in the meta, unlike other methods: structure privacy is a claim
 of the paper, App. D). Per round: 2 K |theta| scalars.
 
-Gradient leakage (``privfl.attack dlg|idlg|ig --artifact small_model``): the attacker (the server)
-needs the small model it sent the client that round (in the capture), the small model's
-architecture (the run's options) and the local lr and step count (message meta / run config). It
+Gradient leakage (``privfl.attack dlg|idlg|ig --artifact small_model``, declared in ``FedMRL.leakage``):
+the attacker (the server) needs the small model it sent the client that round (in the capture), the
+small model's architecture (the run's options) and the local lr and step count (message meta / run config). It
 matches the upload as (theta_prev - theta_k) / (lr * steps) against the gradient of CE on the small
 model's *own* output G^hd(G^ex(x)). That is an approximation: the real local loss is the fused one,
 whose gradient reaches G^ex through the private projector P_k and G^hd through R~[:d1], both of which
@@ -50,9 +50,9 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, ModelRequest, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.models.fedmrl_zoo import CNN_TABLE, MRLConvNet, small_model
-from privfl.seeding import seed_global, torch_generator
+from privfl.seeding import seed_global
 
 SMALL_MODELS = ("auto", *(f"cnn{v}" for v in CNN_TABLE))
 INFERENCE = ("mix-large", "mix-small", "single-large", "single-small")
@@ -188,7 +188,11 @@ class FedMRL(FLMethod):
     sends = {"small_model": "up/down"}
     exposes = ()
     Options = FedMRLOptions
-    parameter_kinds = {"small_model": "small_model"}
+    #: the attacker differentiates the small model G alone (images -> G^hd(G^ex(x))), whose parameter
+    #: names are the ``small_model`` tensors'; an approximation of the fused local loss (module docstring)
+    leakage = {"small_model": LeakageContext(
+        previous="small_model", module="small",
+        note="CE on the small model's own output; the true local loss also passes through the private projector and header")}
     paper = "Yi et al., FedMRL, NeurIPS 2024 (arXiv 2406.00488)"
 
     # -------------------------------------------------------------- models
@@ -197,14 +201,6 @@ class FedMRL(FLMethod):
         small = build_small_model(req)  # overwritten by the first download; built first for a fixed init order
         local = super().build_client_model(req)
         return FedMRLModel(small, local, req.opts.d1, projector_bias=req.opts.projector_bias)
-
-    @classmethod
-    def leakage_module(cls, kind: str, req: ModelRequest) -> nn.Module:
-        """The small model G alone (images -> G^hd(G^ex(x))), named like the ``small_model`` tensors.
-        An approximation of the true local objective (see the module docstring)."""
-        if kind != "small_model":
-            raise ConfigError(f"fedmrl sends no {kind!r} parameters; accepted: small_model")
-        return build_small_model(req)
 
     def __init__(self, env):
         super().__init__(env)
@@ -217,36 +213,31 @@ class FedMRL(FLMethod):
         return (self.cfg.lr if o.small_lr is None else o.small_lr), (self.cfg.lr if o.projector_lr is None else o.projector_lr)
 
     def train_client(self, rnd: int, client: Client) -> dict[str, float]:
-        """E local epochs of SGD on G, F_k and P_k from one summed loss (Eq. 10; Alg. 1), fresh optimizer."""
+        """E local epochs of SGD on G, F_k and P_k from one summed loss (Eq. 10; Alg. 1), fresh optimizer,
+        each part's gradient clipped separately."""
         model: FedMRLModel = client.model
         o = self.opts
-        model.train()
-        seed_global(self.cfg.seed, "local", rnd, client.index)
         small_lr, proj_lr = self.lrs()
-        opt = self.make_optimizer([
-            {"params": list(model.small.parameters()), "lr": small_lr},
-            {"params": list(model.local.parameters())},  # eta_omega = --lr
-            {"params": list(model.projector.parameters()), "lr": proj_lr},
-        ])
-        sums = {"loss": 0.0, "loss_global": 0.0, "loss_local": 0.0}
-        steps = 0
-        for epoch in range(self.cfg.local_epochs):
-            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch)
-            for x, y in self.env.data.batches(client.train_idx, self.cfg.batch_size, gen):
-                logits_g, logits_f = model.heads(x)
-                loss_g, loss_f = F.cross_entropy(logits_g, y), F.cross_entropy(logits_f, y)
-                loss = o.loss_weight_global * loss_g + o.loss_weight_local * loss_f
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if o.grad_clip > 0:
-                    for part in (model.small, model.local, model.projector):
-                        nn.utils.clip_grad_norm_(part.parameters(), o.grad_clip)
-                opt.step()
-                sums["loss"] += loss.item()
-                sums["loss_global"] += loss_g.item()
-                sums["loss_local"] += loss_f.item()
-                steps += 1
-        return {**{k: v / max(steps, 1) for k, v in sums.items()}, "steps": steps}
+
+        def optimizer(model: FedMRLModel) -> torch.optim.Optimizer:
+            return self.trainer.make_optimizer([
+                {"params": list(model.small.parameters()), "lr": small_lr},
+                {"params": list(model.local.parameters())},  # eta_omega = --lr
+                {"params": list(model.projector.parameters()), "lr": proj_lr},
+            ])
+
+        def objective(model: FedMRLModel, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logits_g, logits_f = model.heads(x)
+            loss_g, loss_f = F.cross_entropy(logits_g, y), F.cross_entropy(logits_f, y)
+            return o.loss_weight_global * loss_g + o.loss_weight_local * loss_f, {"loss_global": loss_g, "loss_local": loss_f}
+
+        def clip(model: FedMRLModel) -> None:
+            if o.grad_clip > 0:
+                for part in (model.small, model.local, model.projector):
+                    nn.utils.clip_grad_norm_(part.parameters(), o.grad_clip)
+
+        stats = self.fit(rnd, client, objective, optimizer=optimizer, before_step=clip)
+        return {**stats.as_dict("loss"), "steps": stats.steps}
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         # download theta^{t-1} to the selected clients only (Alg. 1; Sec. 3 step 1)

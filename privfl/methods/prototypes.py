@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, FLMethod, class_prototypes
-from privfl.methods.fedre import GlobalHeadServer, HeadServerOptions
+from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 
 
 def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:

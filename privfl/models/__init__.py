@@ -2,8 +2,6 @@
 
 from privfl.models.split import MAPPINGS, AvgPoolMapping, MaxPoolMapping, SplitModel, build_model
 from privfl.models.zoo import MODEL_GROUPS, MODELS, assign_archs, count_parameters
-from privfl.models import fedmrl_zoo  # noqa: F401,E402  (registers FedMRL's CNN-1..5 and groups)
-from privfl.models import fedfree_zoo  # noqa: F401,E402  (registers FedFree's models and groups)
 
 __all__ = [
     "MAPPINGS",

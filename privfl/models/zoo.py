@@ -33,8 +33,8 @@ from privfl.registry import Registry
 
 FeatureFactory = Callable[[int, int], tuple[nn.Module, int]]
 
-MODELS: Registry[FeatureFactory] = Registry("model architecture")
-MODEL_GROUPS: Registry[tuple[str, ...]] = Registry("model group")
+MODELS: Registry[FeatureFactory] = Registry("model architecture", discover=["privfl.models"])
+MODEL_GROUPS: Registry[tuple[str, ...]] = Registry("model group", discover=["privfl.models"])
 
 
 def count_parameters(module: nn.Module) -> int:
