@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,11 @@ from safetensors.torch import load_file, save_file
 from privfl.capture.store import TensorStore, atomic_write_text
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
-from privfl.errors import ConfigError
-from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, resolve_method
-from privfl.runs import mark_latest
+from privfl.errors import ConfigError, PrivflError
+from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
+from privfl.methods.trainer import LocalTrainer
+from privfl.run import Run
+from privfl.runs import latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
 THREAT_MODELS = {
@@ -49,37 +52,32 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class _Fault:
-    """Test hook: ``PRIVFL_FAULT=ROUND:MESSAGES`` kills the process (``os._exit``, no cleanup) after
-    MESSAGES messages of round ROUND, to test that a killed run resumes exactly."""
+class TrainCallback:
+    """Hooks into a training run, given explicitly to :func:`train` / :func:`resume` (never through the
+    environment). Subclass and override what you need; every method is a no-op by default.
 
-    def __init__(self, channel: Channel):
-        spec = os.environ.get("PRIVFL_FAULT")
-        self.at = tuple(int(v) for v in spec.split(":")) if spec else None
-        self.count = 0
-        self.rnd = -1
-        if self.at:
-            original = channel.send
+    ``on_message(message, record)``: after each message the channel delivered (the receiver's copy and
+    its capture record); ``on_round_end(round, entry)``: after a round's metrics and checkpoint are
+    written. Tests use ``on_message`` to kill a run mid-round and check that ``--resume`` is exact.
+    """
 
-            def send(msg, *, truth=None):
-                out = original(msg, truth=truth)
-                self.count = self.count + 1 if msg.round == self.rnd else 1
-                self.rnd = msg.round
-                if (msg.round, self.count) == self.at:
-                    os._exit(137)
-                return out
+    def on_message(self, message: Any, record: dict[str, Any]) -> None:
+        pass
 
-            channel.send = send  # type: ignore[method-assign]
+    def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
+        pass
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = ()):
         from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
         from privfl.data.partition import ClientSplit
         from privfl.models import assign_archs
 
         self.cfg, self.run_dir = cfg, run_dir
+        self.callbacks = list(callbacks)
         self.method_cls = resolve_method(cfg.method)
+        check_method_class(self.method_cls)
         self.device = resolve_device(cfg.device)
         if not 0 < cfg.join_ratio <= 1:
             raise ConfigError(f"--join-ratio must be in (0, 1], got {cfg.join_ratio}")
@@ -146,11 +144,11 @@ class Trainer:
         from defenses import build_defenses
 
         self.defenses = build_defenses(cfg.defense)
-        self.channel = Channel(self.capture, self.truth, mods=self.defenses)
-        _Fault(self.channel)
+        self.channel = Channel(self.capture, self.truth, mods=self.defenses, method=cfg.method, sends=self.method_cls.sends,
+                               observers=[cb.on_message for cb in self.callbacks])
         self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
         env = FLEnv(cfg, opts, clients, self.data, dataset.num_classes,
-                    self.device, self.channel, self.knowledge, self.topology)
+                    self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data))
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
@@ -271,6 +269,8 @@ class Trainer:
             self.history.append(entry)
             self.write_metrics()
             self.save_checkpoint(rnd)
+            for cb in self.callbacks:
+                cb.on_round_end(rnd, entry)
             bar.set_postfix(acc=f"{ev['acc']:.4f}", loss=f"{extra.get('train_loss', float('nan')):.3f}")
         bar.close()
         return self.write_summary()
@@ -344,27 +344,41 @@ def write_run_info(trainer: Trainer) -> None:
     atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """Train ``cfg`` into a new run directory; returns the finished :class:`~privfl.run.Run`."""
     run_dir = new_run_dir(cfg)
     try:
-        trainer = Trainer(cfg, run_dir)
+        trainer = Trainer(cfg, run_dir, callbacks=callbacks)
     except BaseException:
         # bad input found while setting up (missing data, impossible partition): leave nothing behind
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     save_config(cfg, run_dir)
     write_run_info(trainer)
+    previous_latest = latest_target(run_dir.parent)
     mark_latest(run_dir)
-    return trainer.run()
+    try:
+        trainer.run()
+    except PrivflError:
+        # a method that breaks its contract (a malformed message) fails in its first round: nothing
+        # worth resuming exists yet, so the run this call created goes, and so does `latest` pointing at it
+        if not (run_dir / "checkpoint" / "checkpoint.json").exists():
+            unmark_latest(run_dir, previous_latest)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return Run(run_dir)
 
 
-def resume(run_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
-    trainer = Trainer(cfg, run_dir, resume=True)
+def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """Continue a killed run from its last complete round; returns the finished :class:`~privfl.run.Run`."""
+    trainer = Trainer(cfg, run_dir, resume=True, callbacks=callbacks)
     trainer.load_checkpoint()
     mark_latest(run_dir)
     if trainer.start_round >= cfg.rounds:
-        return trainer.write_summary()
-    return trainer.run()
+        trainer.write_summary()
+    else:
+        trainer.run()
+    return Run(run_dir)
 
 
-__all__ = ["Trainer", "train", "resume", "resolve_device", "new_run_dir", "dir_size"]
+__all__ = ["TrainCallback", "Trainer", "train", "resume", "resolve_device", "new_run_dir", "dir_size"]

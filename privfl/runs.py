@@ -25,6 +25,27 @@ def mark_latest(run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
+def latest_target(out_dir: Path) -> str | None:
+    """The run name ``<out>/latest`` points at (None when there is no such link)."""
+    link = out_dir / LATEST
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def unmark_latest(run_dir: Path, previous: str | None = None) -> None:
+    """Undo :func:`mark_latest` for a run this process created and removes: point ``latest`` back at
+    ``previous`` (what it pointed at before), or remove it."""
+    link = run_dir.parent / LATEST
+    if latest_target(run_dir.parent) != run_dir.name:
+        return
+    if previous is not None and (run_dir.parent / previous).exists():
+        tmp = run_dir.parent / f".{LATEST}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(previous)
+        os.replace(tmp, link)
+    else:
+        link.unlink()
+
+
 def resolve_run(run: str | None, out_dir: str | Path = "runs") -> Path:
     """``None``/``latest`` -> the latest run under ``out_dir``; otherwise a path to a run directory."""
     if run in (None, LATEST):

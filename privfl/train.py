@@ -7,17 +7,55 @@ Examples::
     python -m privfl.train --config experiments/fedre/cifar10_pra.toml
     python -m privfl.train --resume                   # continue the latest (killed) run
     python -m privfl.train mypkg.mymethod:MyMethod    # your own FLMethod subclass
+
+From Python the module itself is the training function, returning a :class:`privfl.Run`::
+
+    import privfl
+    run = privfl.train("fedre", rounds=2, subsample=600)       # the same keys as the flags / config files
+    run = privfl.train(cfg)                                     # or a privfl.config.TrainConfig
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from privfl.cli import run_cli
 from privfl.config import TrainConfig, add_dataclass_arguments, build_config, load_saved_config, read_config_file
 from privfl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from privfl.engine import TrainCallback
+    from privfl.run import Run
+
+
+def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callbacks: Sequence[TrainCallback] = (),
+          **options: Any) -> Run:
+    """Train a method and return its :class:`~privfl.run.Run`.
+
+    ``cfg`` is a :class:`TrainConfig`, a mapping of options (the keys of the CLI flags and config files,
+    method options under ``options`` or at top level) or a method name; keyword ``options`` override it.
+    Without a TrainConfig, a method's quick CPU defaults (``Options.run_defaults``) fill what is not
+    given, as on the command line. ``callbacks`` are :class:`privfl.engine.TrainCallback` hooks.
+    """
+    from privfl import engine
+    from privfl.methods import resolve_method
+
+    if isinstance(cfg, TrainConfig):
+        if options:
+            raise ConfigError("give either a TrainConfig or options, not both")
+        return engine.train(cfg, callbacks=callbacks)
+    values: dict[str, Any] = {"method": cfg} if isinstance(cfg, str) else dict(cfg or {})
+    values.update(options)
+    values.setdefault("method", "fedre")
+    method_cls = resolve_method(values["method"])
+    for key, value in getattr(method_cls.Options, "run_defaults", {}).items():
+        values.setdefault(key, value)
+    return engine.train(build_config(values, method_cls.Options), callbacks=callbacks)
 
 
 def _catalogue() -> str:
@@ -81,7 +119,8 @@ _SWITCHES = {"-h", "--help"} | {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = ()) -> int:
+    """The CLI; ``callbacks`` (:class:`privfl.engine.TrainCallback`) hook into the run it trains or resumes."""
     from privfl import engine
     from privfl.methods import resolve_method
     from privfl.runs import resolve_run
@@ -102,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--resume continues a run with its saved config; only --device/--progress may change, got {', '.join(sorted(ignored))}")
         saved.update(args)
         cfg = build_config(saved, resolve_method(saved["method"]).Options)
-        summary = engine.resume(run_dir, cfg)
+        run = engine.resume(run_dir, cfg, callbacks=callbacks)
     else:
         values = read_config_file(config_path) if config_path else {}
         values.update(args)
@@ -112,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in getattr(method_cls.Options, "run_defaults", {}).items():
                 values.setdefault(key, value)
         cfg = build_config(values, method_cls.Options)
-        summary = engine.train(cfg)
-    print_summary(summary)
+        run = engine.train(cfg, callbacks=callbacks)
+    print_summary(run.summary)
     return 0
 
 
@@ -155,6 +194,15 @@ def print_summary(s: dict) -> None:
     table.add_row("run directory (also runs/latest)", s["run_dir"])
     Console().print(table)
 
+
+class _TrainModule(types.ModuleType):
+    """``privfl.train`` is both this CLI module and, called, :func:`train`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Run:
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _TrainModule
 
 if __name__ == "__main__":
     sys.exit(run_cli("privfl.train", main))

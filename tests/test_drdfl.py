@@ -117,9 +117,10 @@ def test_ring_reroutes_around_failures_with_exact_counts(tmp_path):
     m = metrics(run)
     assert [h["selected"] for h in m] == [[0, 1, 2, 3], [0, 2, 3], [0, 2, 3]] and m[-1]["live_nodes"] == 3
     # exact counts: every tensor of the Learngene, and 2 * K * d_p Gaussian scalars
-    from attacks.view import AttackerView
+    from attacks.context import previous_state
+    from privfl.run import Run
 
-    view = AttackerView(run)
+    view = Run.open(run).attacker
     model = view.method_cls.build_client_model(view.model_request("client0"))
     n_learngene = sum(v.numel() for v in model.learngene.state_dict().values())
     for r in recs:
@@ -130,7 +131,7 @@ def test_ring_reroutes_around_failures_with_exact_counts(tmp_path):
     assert all(0 <= h["local_t"] <= 1 and 0 <= h["global_t"] <= 1 for h in m)
     # the attacker's previous state is what the sender received in the round its state was trained
     last = [r for r in recs if r["round"] == 2 and r["kind"] == "learngene" and r["sender"] == "client2"][0]
-    prev, _ = view.previous_state(last)
+    prev, _ = previous_state(view, last)
     assert (prev["sender"], prev["round"]) == ("client0", 1) and last["meta"]["previous_round"] == 1
     # gradient leakage by the ring neighbour on a captured Learngene (tiny: 3 steps)
     from privfl.attack import main as attack
@@ -149,26 +150,9 @@ def test_short_run_learns(tmp_path):
     assert m[-1]["loss_rec"] < m[0]["loss_rec"] * 1.5
 
 
-@needs_fmnist
-def test_token_schedule_resumes_exactly_after_a_kill(tmp_path):
-    args = [*TINY, "--num-clients", "3", "--schedule", "token", "--rounds", "3"]
-    # every part in its own process with one thread: float reductions then agree bit for bit
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "privfl.train"]
-    subprocess.run([*cmd, "drdfl", *args, "--out-dir", str(tmp_path), "--run-name", "full"], env=env, cwd=ROOT, check=True,
-                   capture_output=True)
-    full = tmp_path / "full"
-    killed = subprocess.run([*cmd, "drdfl", *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
-                            env={**env, "PRIVFL_FAULT": "1:3"}, cwd=ROOT, capture_output=True)  # dies inside round 1
-    assert killed.returncode == 137 and len(metrics(tmp_path / "killed")) == 1
-    subprocess.run([*cmd, "--resume", str(tmp_path / "killed"), "--no-progress"], env=env, cwd=ROOT, check=True, capture_output=True)
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
-
-    assert strip(metrics(full)) == strip(metrics(tmp_path / "killed"))
-    a = TensorStore(full / "capture", "capture").records()
-    assert a == TensorStore(tmp_path / "killed" / "capture", "capture").records()
+def test_token_schedule_resumes_exactly_after_a_kill(assert_resumes_exactly):
+    args = ["drdfl", *TINY, "--num-clients", "3", "--schedule", "token", "--rounds", "3"]
+    a = assert_resumes_exactly(args, kill_round=1, kill_after=3)  # dies inside round 1
     # token passing: within a round node m receives from m-1 before it sends; node 0 from round r-1
     r1 = [(r["sender"], r["meta"]["previous_round"]) for r in a if r["round"] == 1 and r["kind"] == "learngene"]
     assert r1 == [("client0", 0), ("client1", 1), ("client2", 1)]

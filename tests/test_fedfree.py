@@ -243,4 +243,4 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "k must be >= 1" in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())
-    assert FedFree.parameter_kinds == {"layer": "layer"}
+    assert FedFree.leakage_context("layer").previous_rule == "layer-replay"

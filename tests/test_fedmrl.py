@@ -89,15 +89,20 @@ def test_fusion_and_matryoshka_heads_are_the_papers_equations():
         FedMRL.build_client_model(request("mlp", d1=9, rep_dim=8))
 
 
-def test_leakage_module_is_the_small_model_named_like_its_messages():
+def test_leakage_context_is_the_small_model_named_like_its_messages():
+    """What the attacker differentiates is declared, not coded: the client model's ``small`` submodule,
+    whose parameter names are those of the ``small_model`` messages."""
+    from attacks.context import LeakageModule
+
+    ctx = FedMRL.leakage_context("small_model")
+    assert (ctx.previous, ctx.module, ctx.prefix, ctx.readout) == ("small_model", "small", "", "logits") and ctx.note
     req = request("mlp", d1=3, rep_dim=8)
-    g = FedMRL.leakage_module("small_model", req)
     client = FedMRL.build_client_model(req)
-    assert isinstance(g, MRLConvNet) and g(torch.randn(2, 1, 16, 16)).shape == (2, 4)
-    assert dict(g.named_parameters()).keys() == client.small.state_dict().keys()
-    assert FedMRL.parameter_kinds == {"small_model": "small_model"}
-    with pytest.raises(ConfigError):
-        FedMRL.leakage_module("model", req)
+    g = LeakageModule(client.get_submodule(ctx.module), ctx, 4, torch.randn(2, 1, 16, 16))
+    assert isinstance(g.body, MRLConvNet) and g(torch.randn(2, 1, 16, 16)).shape == (2, 4)
+    sent = {k: v.detach() for k, v in client.small.state_dict().items()}
+    assert set(g.to_module_names(sent)) == set(g.state_dict())
+    assert FedMRL.leakage_context("model") is None  # FedMRL sends no model; not parameter-like for it either way
 
 
 def test_weighted_average_averages_every_upload():
@@ -201,27 +206,10 @@ def test_dlg_on_a_captured_small_model(run):
     assert data["protocol"]["threat_model"] == "curious-server-previous-state"
 
 
-@needs_fmnist
-def test_killed_run_resumes_exactly(tmp_path):
-
+def test_killed_run_resumes_exactly(assert_resumes_exactly):
     args = ["fedmrl", "--subsample", "300", "--num-clients", "3", "--partition", "iid", "--rounds", "2",
-            "--rep-dim", "32", "--d1", "16", "--no-progress"]
-    # every part in its own process with one thread: float reductions then agree bit for bit
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "privfl.train"]
-    subprocess.run([*cmd, *args, "--out-dir", str(tmp_path), "--run-name", "full"], env=env, cwd=ROOT, check=True, capture_output=True)
-    full = tmp_path / "full"
-    killed = subprocess.run([*cmd, *args, "--out-dir", str(tmp_path), "--run-name", "killed"],
-                            env={**env, "PRIVFL_FAULT": "1:4"}, cwd=ROOT, capture_output=True)
-    assert killed.returncode == 137, killed.stderr.decode()[-2000:]
-    assert len(metrics(tmp_path / "killed")) == 1  # died in round 1, after its 3 downloads and 1 upload
-    subprocess.run([*cmd, "--resume", str(tmp_path / "killed"), "--no-progress"], env=env, cwd=ROOT, check=True, capture_output=True)
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
-
-    assert strip(metrics(full)) == strip(metrics(tmp_path / "killed"))
-    assert TensorStore(full / "capture", "capture").records() == TensorStore(tmp_path / "killed" / "capture", "capture").records()
+            "--rep-dim", "32", "--d1", "16"]
+    assert_resumes_exactly(args, kill_round=1, kill_after=4)  # after round 1's 3 downloads and 1 upload
 
 
 # ------------------------------------------------------------------------------------------ configs

@@ -144,31 +144,16 @@ def test_fedavg_averages_by_sample_count(tmp_path):
     assert torch.allclose(capture.load(down)[key].double(), expected, atol=1e-6)
 
 
-@needs_fmnist
-def test_killed_run_resumes_to_identical_metrics_and_capture(tmp_path):
-    args = [sys.executable, "-m", "privfl.train", "fedre", *QUICK, "--rounds", "3", "--out-dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([*args, "--run-name", "full"], check=True, env=env, cwd=ROOT, capture_output=True)
-    killed = subprocess.run([*args, "--run-name", "killed"], env={**env, "PRIVFL_FAULT": "1:7"}, cwd=ROOT, capture_output=True)
-    assert killed.returncode == 137
-    assert len(metrics(tmp_path / "killed")) == 1  # died in the middle of round 1
-    resumed = subprocess.run([sys.executable, "-m", "privfl.train", "--resume", str(tmp_path / "killed"), "--no-progress"],
-                             env=env, cwd=ROOT, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
-
-    assert strip(metrics(tmp_path / "full")) == strip(metrics(tmp_path / "killed"))
-    for store in ("capture", "knowledge", "truth"):
-        a = TensorStore(tmp_path / "full" / store, store).records()
-        b = TensorStore(tmp_path / "killed" / store, store).records()
-        assert a == b, store
+def test_killed_run_resumes_to_identical_metrics_and_capture(assert_resumes_exactly):
+    assert_resumes_exactly(["fedre", *QUICK, "--rounds", "3"], kill_round=1, kill_after=7)
 
 
 @needs_fmnist
-def test_user_method_by_import_path(tmp_path, monkeypatch):
-    (tmp_path / "my_fl.py").write_text(
+def test_user_method_by_import_path(tmp_path, monkeypatch, capsys):
+    """A method written outside privfl, as docs/extending.md shows: it trains and is captured; the same
+    method written as earlier releases allowed (an upload without its sample count) fails at its first
+    send with one line that says what to add, and leaves no run behind."""
+    source = (
         "from privfl.methods import FLMethod\n"
         "from privfl.capture import Message\n"
         "class HeadOnly(FLMethod):\n"
@@ -177,12 +162,48 @@ def test_user_method_by_import_path(tmp_path, monkeypatch):
         "    def run_round(self, rnd, selected):\n"
         "        for c in selected:\n"
         "            self.local_train(rnd, c)\n"
-        "            self.send(Message(rnd, c.name, 'server', 'head', {k: v.detach() for k, v in c.model.head.state_dict().items()}))\n"
+        "            tensors = {k: v.detach() for k, v in c.model.head.state_dict().items()}\n"
+        "            self.send(Message(rnd, c.name, 'server', 'head', tensors, META))\n"
         "        return {}\n"
     )
+    (tmp_path / "my_fl.py").write_text(source.replace("META", "{'num_samples': len(c.train_idx)}"))
+    (tmp_path / "old_fl.py").write_text(source.replace("META", "{}"))
     monkeypatch.syspath_prepend(str(tmp_path))
     run = train(tmp_path, "my_fl:HeadOnly", *QUICK)
     assert metrics(run)[-1]["upload_scalars"] == 10 * (512 * 10 + 10)
+
+    err = cli_error(capsys, train_main, ["old_fl:HeadOnly", *QUICK, "--out-dir", str(tmp_path), "--run-name", "old"])
+    assert "old_fl:HeadOnly" in err and "'head'" in err and "missing meta 'num_samples'" in err
+    assert not (tmp_path / "old").exists()  # nothing half-written
+    assert (tmp_path / "latest").resolve() == run.resolve()  # and `latest` still points at the last good run
+
+
+def test_retired_hooks_and_bad_declarations_fail_when_loaded(tmp_path, monkeypatch, capsys):
+    """Earlier releases' attacker hooks on a method are refused with one line before anything is created."""
+    (tmp_path / "legacy_fl.py").write_text(
+        "from privfl.methods import FLMethod\n"
+        "class Hook(FLMethod):\n"
+        "    sends = {'model': 'up/down'}\n"
+        "    @classmethod\n"
+        "    def leakage_module(cls, kind, req):\n"
+        "        return None\n"
+        "class Unknown(FLMethod):\n"
+        "    sends = {'weights': 'up'}\n"
+        "class Legacy(FLMethod):\n"
+        "    sends = {'small_model': 'up/down'}\n"
+        "    parameter_kinds = {'small_model': 'small_model'}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = ["--out-dir", str(tmp_path), "--run-name", "x", *QUICK]
+    err = cli_error(capsys, train_main, ["legacy_fl:Hook", *out])
+    assert "leakage_module is no longer called" in err and "LeakageContext" in err
+    err = cli_error(capsys, train_main, ["legacy_fl:Unknown", *out])
+    assert "unknown kind 'weights'" in err and "register_kind" in err
+    assert not (tmp_path / "x").exists()
+    from privfl.methods import resolve_method
+
+    legacy = resolve_method("legacy_fl:Legacy")  # the earlier {kind: previous kind} declaration still works
+    assert legacy.leakage_context("small_model").previous == "small_model"
 
 
 @needs_fmnist

@@ -65,20 +65,27 @@ class ClientData:
 
 @dataclass
 class RunModels:
-    """A run opened for analysis: config, method class, dataset pool, client split, checkpointed models."""
+    """A run opened for analysis (a view of :class:`privfl.Run`): config, method class, dataset pool,
+    client split, checkpointed models. Built by ``Run.models()``; a path is accepted too."""
 
-    run_dir: Path
+    run: Any  # privfl.run.Run, or a run directory path
     data_root: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
+        from privfl.run import Run
+
+        if not isinstance(self.run, Run):
+            self.run = Run(self.run)
+        self.run_dir = self.run.path
+        self.config: dict[str, Any] = self.run.config
+        self.info: dict[str, Any] = self.run.info
+        if not self.info:
+            raise CaptureError(f"{self.run_dir} cannot be analysed: run.json is missing")
         try:
-            self.info: dict[str, Any] = json.loads((self.run_dir / "run.json").read_text())
-            self.config: dict[str, Any] = json.loads((self.run_dir / "config.json").read_text())
             pointer = json.loads((self.run_dir / "checkpoint" / "checkpoint.json").read_text())
-        except FileNotFoundError as exc:
-            raise CaptureError(f"{self.run_dir} cannot be analysed: {Path(exc.filename).relative_to(self.run_dir)} is missing "
+        except FileNotFoundError:
+            raise CaptureError(f"{self.run_dir} cannot be analysed: checkpoint/checkpoint.json is missing "
                                "(a run that finished at least one round has it)") from None
         except json.JSONDecodeError as exc:
             raise CaptureError(f"{self.run_dir}: unreadable JSON ({exc})") from None
@@ -103,22 +110,16 @@ class RunModels:
     def class_names(self) -> list[str]:
         return list(self.info["dataset"]["class_names"])
 
-    @cached_property
+    @property
     def method_cls(self) -> type:
-        from privfl.methods import resolve_method
+        return self.run.method_cls
 
-        return resolve_method(self.method)
-
-    @cached_property
+    @property
     def cfg(self) -> Any:
-        from privfl.config import build_config
-
-        return build_config(self.config, getattr(self.method_cls, "Options", None))
+        return self.run.cfg
 
     def model_request(self, k: int) -> Any:
-        from privfl.methods import ModelRequest
-
-        return ModelRequest.from_run(self.info, self.config, k)
+        return self.run.model_request(k)
 
     # ------------------------------------------------------------------ models
     @cached_property

@@ -1,0 +1,321 @@
+"""A run directory as one object: :class:`Run`, and the three views the three-way split asks for.
+
+``Run.open(path)`` reads what a run is (``config.json``, ``run.json``) and opens each store once,
+on first use: the capture (what crossed the wire), the knowledge store (what the run grants an
+attacker beyond the messages) and the ground truth (the samples behind each message, for scoring
+only). It hands them out as views that keep the split:
+
+- :attr:`Run.attacker` (:class:`AttackerView`): captured messages, stored knowledge, the run's public
+  description and the client model *architectures* (:meth:`AttackerView.model_request`), never truth;
+- :meth:`Run.ground_truth` (:class:`GroundTruth`): the partition and per-message sample ids; only the
+  attack runner and the metrics call it;
+- :meth:`Run.models` (:class:`privfl.analysis.RunModels`): the checkpointed client models, for analysis.
+
+Opening a run reads JSON and safetensors only; it never unpickles, and it imports no code named in the
+run's files (a user's ``pkg.mod:Class`` method is resolved only when a model must be rebuilt).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from privfl.capture.store import TensorStore
+from privfl.errors import CaptureError, ConfigError, UnknownNameError
+from privfl.kinds import KINDS
+
+if TYPE_CHECKING:
+    from privfl.analysis.loading import RunModels
+    from privfl.config import TrainConfig
+    from privfl.methods.base import FLMethod, LeakageContext, ModelRequest
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CaptureError(f"{path.parent} is not a readable privfl run: {what} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CaptureError(f"{path} is not valid JSON ({exc})") from None
+
+
+class Run:
+    """One run directory (see the module docstring). Use :meth:`open`; training returns one too."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise ConfigError(f"{self.path} is not a privfl run directory (no config.json)")
+        self.config: dict[str, Any] = _read_json(self.path / "config.json", "config.json")
+        self.info: dict[str, Any] = _read_json(self.path / "run.json", "run.json") if (self.path / "run.json").exists() else {}
+        if not isinstance(self.config, dict) or not isinstance(self.info, dict):
+            raise CaptureError(f"{self.path}: config.json and run.json must hold JSON objects")
+
+    @classmethod
+    def open(cls, path: str | Path | None = None, out_dir: str | Path = "runs") -> Run:
+        """A run by path, by name under ``out_dir``, or the latest run (``None`` / ``"latest"``)."""
+        from privfl.runs import resolve_run
+
+        return cls(resolve_run(None if path is None else str(path), out_dir))
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, method={self.method!r})"
+
+    # ------------------------------------------------------------------ what the run is
+    @property
+    def method(self) -> str:
+        return str(self.config.get("method", self.info.get("method", "")))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def dataset(self) -> dict[str, Any]:
+        """Public facts about the data (name, classes, channels, image size, normalisation)."""
+        if "dataset" not in self.info:
+            raise CaptureError(f"{self.path}/run.json does not describe the dataset (run.json is missing or foreign)")
+        return self.info["dataset"]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.info.get("archs", [])) or int(self.config.get("num_clients", 0))
+
+    @cached_property
+    def method_cls(self) -> type[FLMethod]:
+        """The method's class, resolved by name (a registered method, or an importable ``pkg.mod:Class``)."""
+        from privfl.methods import resolve_method
+
+        return resolve_method(self.method)
+
+    @cached_property
+    def cfg(self) -> TrainConfig:
+        """The resolved :class:`~privfl.config.TrainConfig`."""
+        from privfl.config import build_config
+
+        return build_config(self.config, getattr(self.method_cls, "Options", None))
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Per-round metrics (``metrics.jsonl``), empty before the first round completes."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        try:
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise CaptureError(f"{path} is not valid JSON lines ({exc})") from None
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """``summary.json`` (final and best accuracy, communication per round, ...); empty if unfinished."""
+        path = self.path / "summary.json"
+        return _read_json(path, "summary.json") if path.exists() else {}
+
+    # ------------------------------------------------------------------ stores, each opened once
+    @cached_property
+    def capture(self) -> TensorStore:
+        if not (self.path / "capture" / "manifest.json").exists():
+            raise CaptureError(f"{self.path} has no capture (trained with --no-capture?)")
+        return TensorStore(self.path / "capture", "capture")
+
+    @cached_property
+    def knowledge(self) -> TensorStore | None:
+        folder = self.path / "knowledge"
+        return TensorStore(folder, "knowledge") if (folder / "manifest.json").exists() else None
+
+    @cached_property
+    def attacker(self) -> AttackerView:
+        """What an attacker sees of this run: messages and granted knowledge, never ground truth."""
+        return AttackerView(self)
+
+    def ground_truth(self, data_root: str | None = None) -> GroundTruth:
+        """The samples behind every message (scoring only: the attack runner and the metrics)."""
+        key = data_root or ""
+        cache = self.__dict__.setdefault("_truth", {})
+        if key not in cache:
+            cache[key] = GroundTruth(self, data_root)
+        return cache[key]
+
+    def models(self, round: int | None = None, *, data_root: str | None = None, device: torch.device | str = "cpu") -> RunModels:
+        """The client models of a round (the checkpoint keeps the latest round only) and their data."""
+        from privfl.analysis.loading import RunModels
+
+        models = RunModels(self, data_root, torch.device(device))
+        if round is not None and round != models.round:
+            raise ConfigError(f"{self.path} keeps the models of round {models.round} only (checkpoints hold the latest round)")
+        return models
+
+    def model_request(self, index: int) -> ModelRequest:
+        """What client ``index``'s model is built from: architecture, data shape, run options."""
+        from privfl.methods import ModelRequest
+
+        if not 0 <= index < self.num_clients:
+            raise ConfigError(f"client {index} does not exist; the run has clients 0..{self.num_clients - 1}")
+        return ModelRequest.from_run(self.info, self.config, index)
+
+
+class AttackerView:
+    """The attacker's view of a run: its captured messages and the knowledge it stores, nothing else.
+
+    It opens ``capture/`` and ``knowledge/``, never ``truth/``: the ground truth reaches only the attack
+    runner's scoring, after an attack.
+    """
+
+    _CACHE = 4  # recently loaded blobs kept (several targets of one message load it once)
+
+    def __init__(self, run: Run | str | Path):
+        self.run = run if isinstance(run, Run) else Run(run)
+        self.run_dir = self.run.path
+        self.info, self.config = self.run.info, self.run.config
+        if not self.info:
+            raise CaptureError(f"{self.run_dir} is not a readable privfl run: run.json is missing")
+        self.capture = self.run.capture
+        self.knowledge_store = self.run.knowledge
+        self._records = self.capture.records()
+        self._loaded: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+
+    # ---------------------------------------------------------------- what the run offers
+    @property
+    def dataset(self) -> dict[str, Any]:
+        return self.run.dataset
+
+    @property
+    def method_cls(self) -> type[FLMethod]:
+        return self.run.method_cls
+
+    def granted(self) -> set[str]:
+        """Knowledge the run declares it stores (``run.json``), present on disk."""
+        return {k for k in self.info.get("knowledge", {}) if self.knowledge_store is not None}
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every captured index record (setup broadcasts included)."""
+        return list(self._records)
+
+    def kinds(self) -> list[str]:
+        return sorted({r["kind"] for r in self._records})
+
+    def rounds(self, kind: str) -> list[int]:
+        return sorted({r["round"] for r in self._records if r["kind"] == kind and r.get("meta", {}).get("phase") != "setup"})
+
+    def messages(self, kind: str, round: int | None = None, clients: list[str] | None = None) -> list[dict[str, Any]]:
+        """Index records of ``kind`` (in ``round``; involving one of ``clients``), setup broadcasts left out."""
+        if kind not in KINDS:
+            raise UnknownNameError("artifact kind", kind, KINDS)
+        out = []
+        for r in self._records:
+            if r["kind"] != kind or (round is not None and r["round"] != round) or r.get("meta", {}).get("phase") == "setup":
+                continue
+            if clients is not None and client_of(r) not in clients:
+                continue
+            out.append(r)
+        return out
+
+    def load(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A message's tensors (checksum verified; a few recent ones cached)."""
+        key = str(record["sha256"])
+        if key in self._loaded:
+            self._loaded.move_to_end(key)
+            return self._loaded[key]
+        tensors = self.capture.load(record)
+        self._loaded[key] = tensors
+        if len(self._loaded) > self._CACHE:
+            self._loaded.popitem(last=False)
+        return tensors
+
+    def leakage_context(self, kind: str) -> LeakageContext | None:
+        """What the method declares an attacker needs to rebuild a ``kind`` message's context."""
+        return self.method_cls.leakage_context(kind)
+
+    def model_request(self, client: str) -> ModelRequest:
+        """What the attacker knows of a client's model: architecture, dataset shape, run options."""
+        return self.run.model_request(client_index(client))
+
+    # ---------------------------------------------------------------- knowledge
+    def extractor_records(self) -> list[dict[str, Any]]:
+        if self.knowledge_store is None:
+            return []
+        return [r for r in self.knowledge_store.records() if r["kind"] == "extractor"]
+
+    def extractor(self, client: str, round: int, device: torch.device | str = "cpu"):
+        """The client's extractor (a SplitModel with its features and mapping loaded), frozen, eval mode."""
+        from privfl.models import build_model
+
+        recs = self.extractor_records()
+        match = [r for r in recs if r["client"] == client and r["round"] == round]
+        if not match:
+            have = sorted({(r["client"], r["round"]) for r in recs})
+            where = ", ".join(f"{c}@r{n}" for c, n in have[:12]) or "none"
+            raise CaptureError(
+                f"the run stores no extractor of {client} at round {round} (it has: {where}); "
+                "retrain with --knowledge-every N to keep more rounds"
+            )
+        rec = match[0]
+        model = build_model(**rec["spec"])
+        model.load_extractor_state(self.knowledge_store.load(rec))
+        model.eval().to(device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+
+class GroundTruth:
+    """The run's sample pool, its partition and the samples behind each message. Scoring only."""
+
+    def __init__(self, run: Run | str | Path, data_root: str | None = None):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from privfl.data import load_dataset
+
+        self.run = run if isinstance(run, Run) else Run(run)
+        self.run_dir = self.run.path
+        cfg = self.run.config
+        self.dataset = load_dataset(cfg["dataset"], data_root or cfg.get("data_root"), False)
+        path = self.run_dir / "truth" / "partition.safetensors"
+        try:
+            part = load_file(str(path))
+        except (FileNotFoundError, SafetensorError, OSError) as exc:
+            raise CaptureError(f"{path} is unreadable: {exc}") from None
+        subset = part.pop("subset", None)
+        self.images_u8 = self.dataset.images if subset is None else self.dataset.images[subset]
+        self.labels = self.dataset.labels if subset is None else self.dataset.labels[subset]
+        self.train = {k: v for k, v in part.items() if k.startswith("train_")}
+        self.store = TensorStore(self.run_dir / "truth", "truth")
+        self._by_seq = {r["message_seq"]: r for r in self.store.records()}
+
+    def images(self, idx: torch.Tensor) -> torch.Tensor:
+        """Images of pool indices ``idx``, float in [0, 1]."""
+        return self.images_u8[idx].float() / 255.0
+
+    def client_train(self, client: str) -> torch.Tensor:
+        return self.train[f"train_{client_index(client)}"]
+
+    def has_message(self, seq: int) -> bool:
+        return seq in self._by_seq
+
+    def message_truth(self, seq: int) -> dict[str, torch.Tensor]:
+        if seq not in self._by_seq:
+            raise CaptureError(f"the ground-truth store has no record of message {seq} (a run trained with capture keeps one per "
+                               "message that has samples behind it)")
+        return self.store.load(self._by_seq[seq])
+
+
+def client_of(record: dict[str, Any]) -> str:
+    """The client an artifact belongs to (its sender, or the receiver of a server broadcast)."""
+    return record["receiver"] if record["sender"] == "server" else record["sender"]
+
+
+def client_index(client: str) -> int:
+    text = client.removeprefix("client")
+    if not text.isdigit():
+        raise ConfigError(f"not a client name: {client!r} (expected client0, client1, ...)")
+    return int(text)
+
+
+__all__ = ["AttackerView", "GroundTruth", "Run", "client_index", "client_of"]

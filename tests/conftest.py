@@ -1,0 +1,62 @@
+"""Shared fixtures: the real dataset the suite trains on, and the kill-and-resume check written once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def fmnist() -> Path:
+    """Skip unless Fashion-MNIST is installed (``apt-get install dataset-fashion-mnist``; make setup does it)."""
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    return FMNIST
+
+
+@pytest.fixture
+def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[dict]]:
+    """``check(argv, kill_round, kill_after)``: train ``argv`` (``privfl.train`` arguments) to the end; train
+    it again killed right after message ``kill_after`` of round ``kill_round``; resume the killed run with
+    ``--resume``; assert identical metrics and identical capture, knowledge and truth stores. Returns the
+    capture records. Every part runs in its own one-thread process, so float reductions agree bit for bit
+    (two threads in one process and one in another differ at 1e-8)."""
+    from privfl.capture import TensorStore
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def run(cmd: list[str], expect: int = 0) -> None:
+        done = subprocess.run([sys.executable, *cmd], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == expect, done.stderr[-3000:]
+
+    def check(argv: list[str], kill_round: int, kill_after: int) -> list[dict]:
+        out = ["--out-dir", str(tmp_path), "--no-progress"]
+        run(["-m", "privfl.train", *argv, *out, "--run-name", "full"])
+        run(["-m", "tests.killer", str(kill_round), str(kill_after), *argv, *out, "--run-name", "killed"], expect=137)
+        full, killed = tmp_path / "full", tmp_path / "killed"
+        assert len(read_metrics(killed)) == kill_round  # it died inside round kill_round
+        run(["-m", "privfl.train", "--resume", str(killed), "--no-progress"])
+
+        def strip(rows: list[dict]) -> list[dict]:
+            return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+        assert strip(read_metrics(full)) == strip(read_metrics(killed))
+        for store in ("capture", "knowledge", "truth"):
+            a = TensorStore(full / store, store).records()
+            assert a == TensorStore(killed / store, store).records(), store
+        return TensorStore(full / "capture", "capture").records()
+
+    return check
