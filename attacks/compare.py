@@ -7,20 +7,27 @@ of the aggregate (rule (b)). Artifacts the run's method really transmitted are t
 capture; the others are computed here from the client's stored extractor and its training images,
 and marked ``counterfactual`` in every output. This module is experimenter code: it reads ground
 truth to choose samples and build counterfactual targets. The attack itself still gets only the
-target vectors and the extractor.
+target vectors and the extractor; it runs through the attack runner's :func:`~attacks.runner.execute`
+and :func:`~attacks.runner.write_report` (:func:`compare_artifacts`).
 """
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from attacks.groundtruth import Candidates, GroundTruth
-from attacks.targets import Target, soft_label_text
-from attacks.view import AttackerView
-from privfl.errors import ConfigError
+from attacks.base import Target, create_attack
+from attacks.runner import AttackReport
+from attacks.invert import soft_label_text
+from attacks.scoring import Candidates, candidates
+from privfl.errors import CaptureError, ConfigError
 from privfl.methods.entangle import entangle, random_draws, sample_weights
+from privfl.run import AttackerView, GroundTruth, Run
 from privfl.seeding import numpy_rng, torch_generator
 
 COMPARABLE = ("rep", "proto", "ent_rep")
@@ -83,10 +90,12 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                 rows = truth.message_truth(rec["seq"])["indices"]
                 tensors = view.load(rec)
                 pos = [int((rows == s).nonzero()[0]) for s in samples]
-                ts = [Target("rep", rnd, client, tensors["reps"][p], names[c], rec["seq"], p, c) for p, c in zip(pos, classes)]
+                ts = [Target("rep", rnd, client, rec, view, p, names[c], c, payload={"vector": tensors["reps"][p]})
+                      for p, c in zip(pos, classes)]
             else:
                 vecs = represent(samples)
-                ts = [Target("rep", rnd, client, vecs[i], names[c], None, i, c, counterfactual=True) for i, c in enumerate(classes)]
+                ts = [Target("rep", rnd, client, None, view, i, names[c], c, counterfactual=True, payload={"vector": vecs[i]})
+                      for i, c in enumerate(classes)]
             for t, s in zip(ts, samples):
                 cands[t.key] = Candidates(truth.images(s.view(1)), torch.ones(1), 0, "its own image")
         elif kind == "proto":
@@ -95,11 +104,12 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                 rec = sent[0]
                 tensors = view.load(rec)
                 for row, c in enumerate(tensors["classes"].tolist()):
-                    by_class[c] = Target("proto", rnd, client, tensors["protos"][row], names[c], rec["seq"], row, c)
+                    by_class[c] = Target("proto", rnd, client, rec, view, row, names[c], c, payload={"vector": tensors["protos"][row]})
             else:
                 for c in sorted(set(classes)):
                     members = pool[truth.labels[pool] == c]
-                    by_class[c] = Target("proto", rnd, client, represent(members).mean(0), names[c], None, c, c, counterfactual=True)
+                    by_class[c] = Target("proto", rnd, client, None, view, c, names[c], c, counterfactual=True,
+                                         payload={"vector": represent(members).mean(0)})
             ts = [by_class[c] for c in classes]
             for t in by_class.values():
                 members = pool[truth.labels[pool] == t.class_id]
@@ -108,17 +118,111 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
             if sent:
                 rec = sent[0]
                 tensors = view.load(rec)
-                t = Target("ent_rep", rnd, client, tensors["rep"], soft_label_text(tensors["label"], list(names)), rec["seq"], 0)
-                cands[t.key] = truth.candidates(t)
+                t = Target("ent_rep", rnd, client, rec, view, 0, soft_label_text(tensors["label"], list(names)),
+                           payload={"vector": tensors["rep"]})
+                cands[t.key] = candidates(truth, t)
             else:
                 reps = represent(pool)
                 labels = truth.labels[pool]
                 draws = random_draws("rap", labels, num_classes, "uniform", torch_generator(seed, "compare-rap", client))
                 w = sample_weights("rap", labels, num_classes, draws)
                 vec, label = entangle(reps.double(), labels, num_classes, w)
-                t = Target("ent_rep", rnd, client, vec.float(), soft_label_text(label, list(names)), None, 0, counterfactual=True)
+                t = Target("ent_rep", rnd, client, None, view, 0, soft_label_text(label, list(names)), counterfactual=True,
+                           payload={"vector": vec.float()})
                 keep = w > 0
                 cands[t.key] = Candidates(truth.images(pool[keep]), (w[keep] / w[keep].sum()).float(), None, "RE-weighted images")
             ts = [t] * len(samples)
         targets[kind] = ts
     return ComparisonPlan(client, rnd, samples, classes, targets, cands)
+
+
+def compare_artifacts(
+    run: Run | str | Path,
+    kinds: Sequence[str] = COMPARABLE,
+    *,
+    client: str | int | None = None,
+    round: int | None = None,
+    samples: int = 4,
+    options: dict[str, Any] | None = None,
+    seed: int = 0,
+    device: str | torch.device = "auto",
+    name: str | None = None,
+    write: bool = True,
+    progress: bool = False,
+    data_root: str | None = None,
+) -> AttackReport:
+    """The Figure-4 comparison on one client (default: the first with a stored extractor) at one round
+    (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
+    every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b)."""
+    from attacks.runner import base_protocol, client_names, execute, write_report
+    from attacks.scoring import Scored, score
+    from attacks.metrics import score_images, summarize
+
+    run = run if isinstance(run, Run) else Run.open(run)
+    kinds = list(kinds)
+    view = run.attacker
+    ext = view.extractor_records()
+    if not ext:
+        raise CaptureError(f"run {run.path} stores no client extractors: the comparison needs them")
+    if client is None:
+        client = sorted({r["client"] for r in ext}, key=lambda c: int(c[6:]))[0]
+    else:
+        client = client_names([client])[0]
+    rounds = sorted({r["round"] for r in ext if r["client"] == client})
+    if not rounds:
+        raise CaptureError(f"the run stores no extractor of {client}")
+    rnd = rounds[-1] if round is None else round
+    attack = create_attack("invert", seed=seed, device=_device(device), **(options or {}))
+    reason = attack.missing_knowledge(view)
+    if reason:
+        raise CaptureError(reason)
+    truth = run.ground_truth(data_root)
+    p = plan(view, truth, kinds, client, rnd, samples, seed)
+    unique = list({t.key: t for ts in p.targets.values() for t in ts}.values())
+    recons, seconds = execute(attack, unique, progress=progress, desc=f"compare {', '.join(kinds)} on {client} r{rnd}")
+    by_key = {r.target.key: r for r in recons}
+    sample_images = truth.images(p.samples)
+    rows, gallery_rows, labels = [], [], {}
+    summary: dict[str, Any] = {"targets": len(unique), "seconds_total": builtins.round(seconds, 2),
+                               "seconds_per_target": builtins.round(seconds / len(unique), 3)}
+    for kind in kinds:
+        images = torch.stack([by_key[t.key].image for t in p.targets[kind]])
+        per = score_images(images, sample_images)  # rule (a): against the same sample
+        cf = p.targets[kind][0].counterfactual
+        row_label = f"{kind}{' (counterfactual)' if cf else ''}"
+        gallery_rows.append((row_label, images))
+        labels[row_label] = [f"PSNR {v:.2f} dB" for v in per["psnr255"]]
+        best = {t.key: score(by_key[t.key].image, p.candidates[t.key]) for t in {t.key: t for t in p.targets[kind]}.values()}
+        for i, t in enumerate(p.targets[kind]):
+            rows.append({"kind": kind, "counterfactual": cf, "client": client, "round": rnd, "sample": int(p.samples[i]),
+                         "class": truth.dataset.class_names[p.classes[i]], "target": t.key,
+                         **{f"sample_{m}": v[i] for m, v in per.items()},
+                         **{k: v for k, v in best[t.key].items() if k.startswith("best_")}})
+        summary.update({f"{kind}_sample_{k}": v for k, v in summarize(per).items()})
+        summary[f"{kind}_counterfactual"] = cf
+    order = [summary[f"{k}_sample_psnr255"] for k in kinds]
+    summary["ordering"] = " > ".join(f"{k} ({v:.2f} dB)" for k, v in sorted(zip(kinds, order), key=lambda kv: -kv[1]))
+    if kinds == ["rep", "proto", "ent_rep"]:
+        summary["paper_ordering_holds"] = bool(order[0] > order[1] > order[2])
+    rule = "(a) each reconstruction against the same sample image; (b) best match in the artifact's aggregate"
+    protocol = {**base_protocol(attack, run), **attack.protocol(), "dip_levels_used": attack.levels_used(run.dataset["image_size"]),
+                "compare": kinds, "client": client, "round": rnd, "samples": p.samples.tolist(),
+                "counterfactual": {k: p.targets[k][0].counterfactual for k in kinds}, "ground_truth_rule": rule,
+                "psnr_convention": "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately"}
+    report = AttackReport("compare", ",".join(kinds), rnd, protocol, summary, rows, recons)
+    if write:
+        scored = Scored(rows, summary, sample_images, gallery_rows, [truth.dataset.class_names[c] for c in p.classes], labels, rule)
+        report.folder = write_report(
+            run, name or f"compare-{'-'.join(kinds)}-{client}-r{rnd}", scored, protocol,
+            title=f"Representation vs prototype vs entangled representation ({run.method})", heading=f"{client}, round {rnd}",
+            gallery_title=f"{run.method}: {client}, round {rnd}: what each artifact reveals",
+            reconstructions={f"{k}.{i}": by_key[t.key].images for k in kinds for i, t in enumerate(p.targets[k])},
+            text="Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored "
+                 "extractor and data.")
+    return report
+
+
+def _device(name: str | torch.device) -> torch.device:
+    from privfl.engine import resolve_device
+
+    return name if isinstance(name, torch.device) else resolve_device(name)

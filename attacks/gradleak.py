@@ -20,19 +20,23 @@ normalisation for metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from attacks.base import ATTACKS, require_knowledge
+from attacks.base import Attack, AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
+from attacks.context import context_of, leakage_module, module_tensor_names, previous_state
 from attacks.threat import Knowledge
-from attacks.view import AttackerView
 from privfl.errors import ConfigError
+from privfl.kinds import KINDS, Family, ParamForm
+from privfl.run import AttackerView
 from privfl.seeding import derive_seed
 
 VARIANTS = ("dlg", "idlg", "ig")
@@ -48,8 +52,11 @@ class GradLeakConfig:
     restarts: int = 1
     tv_weight: float = 0.0
     snapshots: int = 6  # images kept along the optimisation, for galleries
-    local_steps: int = 1  # > 1: the observed tensors are an update of that many local SGD steps
-    local_lr: float = 0.1
+    #: > 1: the observed tensors are an update of that many local SGD steps, unrolled by the attack;
+    #: "auto" (attacks on a run): the steps the message's meta or the run's config imply
+    local_steps: int | str = 1
+    local_lr: float = 0.1  # the unrolled steps' lr (attacks on a run use the message's lr, else the run's)
+    max_batch: int = 8  # attacks on a run: the largest batch rebuilt from one message
     #: idlg/ig with batch > 1: "last-layer" reads the labels off the last layer's gradient first
     #: (:func:`batch_labels`), "joint" optimises soft labels with the data as DLG does
     batch_label_rule: str = "last-layer"
@@ -245,89 +252,164 @@ def _param_names_all(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-#: every kind a method may declare in ``FLMethod.parameter_kinds`` (what `attack list` offers gradient leakage for)
-PARAMETER_KINDS = frozenset({"grad", "update", "model", "small_model", "layer", "learngene"})
+class GradientLeakage(Attack):
+    """DLG / iDLG / Inverting Gradients on a captured parameter-like message (gradients, updates, models,
+    shared sub-models, layers).
 
+    Knowledge: the model architecture and the state the sender last received (both in the server's
+    hands, or a ring neighbour's), plus the local hyperparameters the server set. What the method
+    declares (:class:`privfl.methods.LeakageContext`) says which received message is the previous state
+    and which module the tensors parameterise. What is matched, by the kind's form
+    (:class:`privfl.kinds.ParamForm`):
 
-@dataclass
-class Leak:
-    record: dict
-    images: torch.Tensor  # (B, C, H, W) in [0, 1]
-    labels: torch.Tensor
-    snapshots: list[tuple[int, torch.Tensor]]  # in [0, 1]
-    seconds: float
-    label_source: str
-    batch_size: int
-    target_note: str
+    - gradient (``grad``, FedSGD): the gradient itself; the batch is the message's ``batch_size``;
+    - update (``update``, FedNova's d = (x - x_k) / a): d * a / (lr * tau), the mean local gradient
+      (d / lr when a = tau, plain SGD), or d * a / lr against ``local_steps`` unrolled steps;
+    - parameters (``model``, ``small_model``, ``layer``, ``learngene``...): (x_prev - x_k) / (lr * tau),
+      the mean local gradient over tau = local_epochs * ceil(n / batch_size) steps, or (x_prev - x_k) / lr
+      against ``local_steps`` unrolled steps (Inverting Gradients' FedAvg variant).
 
-
-class GradientLeakage:
-    """DLG / iDLG / Inverting Gradients on a captured gradient, update or model message.
-
-    Knowledge: the model architecture and the parameters the attacker (the server) broadcast last,
-    both available to a server, plus the local hyperparameters it set. What is matched:
-    - ``grad`` (FedSGD): the gradient itself, batch size from the message;
-    - ``update`` (FedNova's normalised update d = (x - x_k)/a): d / lr, the mean local gradient
-      (exact for one local step);
-    - ``model`` (FedAvg): (x_prev - x_k) / (lr * tau), the mean local gradient over tau steps.
-    For updates and models the batch is the client's data (``--batch-size`` caps it).
+    For updates and parameters the batch is the client's data (``max_batch`` caps the images rebuilt).
     """
 
-    consumes = PARAMETER_KINDS
+    consumes = frozenset({str(Family.GRADIENT), str(Family.PARAMETERS)})
     needs = Knowledge(previous_state=True, local_hyperparameters=True)
     threat_model = "curious-server-previous-state"
-    paper = ""
+    Config = GradLeakConfig
+    variant: ClassVar[str] = "dlg"
 
-    def __init__(self, variant: str, cfg, *, seed: int = 0, device="cpu", max_batch: int = 8):
-        self.variant, self.cfg, self.seed, self.device, self.max_batch = variant, cfg, seed, torch.device(device), max_batch
-        self.name = variant
-        self.paper = {"dlg": "Zhu et al., NeurIPS 2019", "idlg": "Zhao et al., arXiv 2001.02610", "ig": "Geiping et al., NeurIPS 2020"}[variant]
+    @classmethod
+    def default_config(cls) -> GradLeakConfig:
+        return GradLeakConfig.preset(cls.variant)
 
-    def check(self, view: AttackerView) -> None:
-        require_knowledge(self, view)
+    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients=None) -> list[dict]:
+        """Only what clients send (uploads and peer messages): a server's broadcast has no client data."""
+        return [r for r in super().messages_of(view, kind, rnd, clients) if r["direction"] in ("up", "peer")]
 
-    def target(self, view: AttackerView, record: dict, prev: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, str]:
-        """The gradient-like tensors to match, the batch they stand for, and how they were derived."""
+    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict], selection: Selection) -> list[Target]:
+        spec = KINDS.get(kind)
+        key = "batch_size" if spec.form is ParamForm.GRADIENT else "num_samples"
+        targets, reasons = [], []
+        names_by_client: dict[str, set[str]] = {}
+        for rec in records:
+            if key not in rec.get("meta", {}):
+                reasons.append(f"message {rec['seq']} has no meta {key!r}: the batch behind it is unknown")
+                continue
+            try:
+                _, prev = previous_state(view, rec)
+            except AttackNotApplicable as exc:
+                reasons.append(str(exc))
+                continue
+            client = rec["sender"]
+            if client not in names_by_client:
+                names_by_client[client] = module_tensor_names(view, rec)
+            if not names_by_client[client] & set(prev):
+                ctx = context_of(view, kind)
+                where = f"module {ctx.module!r}" if ctx.module else "the whole client model"
+                reasons.append(f"the previous state of {kind} message {rec['seq']} shares no tensor names with {where} that "
+                               f"{view.info['method']} declares for it (prefix {ctx.prefix!r}): nothing to attack but random weights")
+                continue
+            targets.append(Target(kind, rnd, client, rec, view))
+        if not targets:
+            raise AttackNotApplicable(reasons[0] if len(set(reasons)) == 1 else "; ".join(dict.fromkeys(reasons)))
+        return targets
+
+    def steps_for(self, targets) -> int:
+        return len(targets) * self.config.steps
+
+    def prepare(self, targets) -> None:
+        for t in targets:
+            t.view.load(t.record)
+            previous_state(t.view, t.record)
+
+    def _local_steps(self, record: dict, cfg: dict, n: int) -> int:
+        steps = self.config.local_steps
+        if steps == "auto":
+            meta = record.get("meta", {})
+            tau = meta.get("local_steps", meta.get("tau"))
+            return int(tau) if isinstance(tau, int) and tau > 0 else max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
+        return int(steps)
+
+    def observation(self, view: AttackerView, record: dict, prev: dict[str, torch.Tensor],
+                    local_steps: int) -> tuple[dict[str, torch.Tensor], int, float, str]:
+        """(the gradient-like tensors to match, the batch they stand for, the lr, how they were derived)."""
         tensors = view.load(record)
         meta, cfg = record.get("meta", {}), view.config
-        if record["kind"] == "grad":
-            return tensors, int(meta.get("batch_size", cfg["batch_size"])), "the gradient as sent"
-        n = int(meta.get("num_samples", cfg["batch_size"]))
+        form = KINDS.get(record["kind"]).form
         lr = float(meta.get("lr", cfg["lr"]))
-        if record["kind"] == "update":
-            return {k: v.float() / lr for k, v in tensors.items() if v.is_floating_point()}, n, "update d / lr (mean local gradient)"
+        if form is ParamForm.GRADIENT:
+            return tensors, int(meta["batch_size"]), lr, "the gradient as sent"
+        n = int(meta["num_samples"])
         tau = max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
-        if self.cfg.local_steps > 1:  # the unrolled objective models the steps itself: match prev - new, per lr
-            return ({k: (prev[k].float() - v.float()) / lr for k, v in tensors.items() if v.is_floating_point() and k in prev}, n,
-                    f"(previous {record['kind']} - {record['kind']}) / lr, matched by {self.cfg.local_steps} unrolled steps")
-        grads = {k: (prev[k].float() - v.float()) / (lr * tau) for k, v in tensors.items() if v.is_floating_point() and k in prev}
-        return grads, n, f"(previous {record['kind']} - {record['kind']}) / (lr * {tau} local steps)"
+        floats = {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
+        if form is ParamForm.UPDATE:
+            a = float(meta.get("a", 1.0))
+            if local_steps > 1:  # the unrolled objective models the steps itself: match (prev - new) / lr = d * a / lr
+                return {k: v * (a / lr) for k, v in floats.items()}, n, lr, f"update d * a / lr, matched by {local_steps} unrolled steps"
+            scale = a / float(meta.get("tau", tau))
+            if scale == 1.0:
+                return {k: v / lr for k, v in floats.items()}, n, lr, "update d / lr (mean local gradient)"
+            return {k: v * (scale / lr) for k, v in floats.items()}, n, lr, "update d * a / (lr * tau) (mean local gradient)"
+        kind = record["kind"]
+        if local_steps > 1:
+            return ({k: (prev[k].float() - v) / lr for k, v in floats.items() if k in prev}, n, lr,
+                    f"(previous {kind} - {kind}) / lr, matched by {local_steps} unrolled steps")
+        return ({k: (prev[k].float() - v) / (lr * tau) for k, v in floats.items() if k in prev}, n, lr,
+                f"(previous {kind} - {kind}) / (lr * {tau} local steps)")
 
-    def run(self, view: AttackerView, record: dict, progress=None) -> Leak:
-        """Attack one message; call :meth:`check` once before."""
-        _, prev = view.previous_state(record)
-        model = view.model_for(record["sender"], record["kind"])
+    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+        view, record = target.view, target.record
+        _, prev = previous_state(view, record)
+        model = leakage_module(view, record, self.seed)
         own = model.state_dict()
-        shared = {k: v for k, v in prev.items() if k in own}
-        if not shared:  # a method whose leakage module does not name its tensors like its messages
-            raise ConfigError(f"the previous state of {record['kind']} message {record['seq']} shares no tensor names with "
-                              f"{type(model).__name__}, the module {view.info['method']} declares for it")
+        shared = {k: v for k, v in model.to_module_names(prev).items() if k in own}
         model.load_state_dict(shared, strict=False)
-        target, n, note = self.target(view, record, prev)
+        meta = record.get("meta", {})
+        local_steps = self._local_steps(record, view.config, int(meta.get("batch_size", meta.get("num_samples", 1))))
+        observed, n, lr, note = self.observation(view, record, prev, local_steps)
         names = {n_ for n_, _ in model.named_parameters()}
-        target = {k: v for k, v in target.items() if k in names}
-        batch = max(1, min(n, self.max_batch))
+        observed = {k: v for k, v in model.to_module_names(observed).items() if k in names}
+        batch = max(1, min(n, self.config.max_batch))
         ds = view.dataset
         mean = torch.tensor(ds["mean"]).view(1, -1, 1, 1)
         std = torch.tensor(ds["std"]).view(1, -1, 1, 1)
         box = ((0 - mean) / std, (1 - mean) / std)
-        result = leak(model, target, (ds["channels"], ds["image_size"], ds["image_size"]), ds["num_classes"], self.cfg,
+        cfg = dataclasses.replace(self.config, local_steps=local_steps, local_lr=lr)
+        hook = (lambda step, loss: progress(target.client, step, cfg.steps, loss)) if progress else None
+        result = leak(model, observed, (ds["channels"], ds["image_size"], ds["image_size"]), ds["num_classes"], cfg,
                       batch_size=batch, box=box, seed=derive_seed(self.seed, self.variant, record["seq"]), device=self.device,
-                      progress=progress)
+                      progress=hook)
         to01 = lambda x: (x * std + mean).clamp(0, 1)  # noqa: E731
-        return Leak(record, to01(result.images), result.labels, [(s, to01(x)) for s, x in result.snapshots], result.seconds,
-                    result.label_source, batch, note)
+        ctx = context_of(view, record["kind"])
+        return Reconstruction(target, to01(result.images), result.loss, result.seconds, result.labels,
+                              [(s, to01(x)) for s, x in result.snapshots],
+                              {"label_source": result.label_source, "batch_size": batch, "target_note": note,
+                               "local_steps": local_steps, **({"approximation": ctx.note} if ctx.note else {})})
+
+    def protocol(self) -> dict:
+        return {"config": self.config.as_dict()}
 
 
-for _variant in VARIANTS:
-    ATTACKS.register(_variant, GradientLeakage)
+@register_attack("dlg")
+class DLG(GradientLeakage):
+    __doc__ = GradientLeakage.__doc__
+    variant = "dlg"
+    paper = "Zhu et al., Deep Leakage from Gradients, NeurIPS 2019"
+
+
+@register_attack("idlg")
+class IDLG(GradientLeakage):
+    __doc__ = GradientLeakage.__doc__
+    variant = "idlg"
+    paper = "Zhao et al., iDLG, arXiv 2001.02610"
+
+
+@register_attack("ig")
+class InvertingGradients(GradientLeakage):
+    __doc__ = GradientLeakage.__doc__
+    variant = "ig"
+    paper = "Geiping et al., Inverting Gradients, NeurIPS 2020"
+
+
+__all__ = ["DLG", "IDLG", "GradLeakConfig", "GradientLeakage", "InvertingGradients", "LeakResult", "batch_labels", "idlg_label",
+           "leak", "model_gradient"]

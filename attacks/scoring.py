@@ -1,19 +1,63 @@
-"""Scores of one reconstruction against the images behind its artifact (metrics side only).
+"""Scoring reconstructions against ground truth, by the artifact's family (metrics side only).
 
-``exact``: against the one image a per-sample target is about. ``best``: against the best-matching
-image of the aggregate (highest PSNR; the worst case for privacy). ``mean``: weighted mean over the
-images that make up the aggregate (RE weights for entangled representations, equal for prototypes);
-SSIM there uses the (at most) 512 highest-weight images to stay fast on large clients.
+Which images a reconstruction is compared with (the FedRE papers leave it open, shared/specs/fedre.md §2.4):
+
+- per-sample representation (row i of a ``rep``-like message): its own image (``exact``);
+- aggregate representation: the images behind it, weighted as the message weighted them when the
+  ground truth says so (an entangled representation's RE weights), else the client's training images
+  of the row's class (prototypes; every client's for a server's global prototype), else the samples
+  behind the message with equal weights. Reported twice: against the best-matching image (``best``,
+  the worst case for privacy) and as the weighted mean over them (``mean``);
+- gradient or parameters: the samples behind the message; an exact batch is matched to them with the
+  Hungarian algorithm, a reconstruction of a larger set to its best match.
+
+:class:`RepresentationScorer` and :class:`BatchScorer` turn a list of reconstructions into per-image
+rows, a summary, and what the gallery shows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-from attacks.groundtruth import Candidates
-from attacks.metrics import best_match, mse, score_images, ssim
+from attacks.base import Reconstruction, Target
+from attacks.metrics import best_match, hungarian_match, mse, score_images, ssim, summarize
+from privfl.kinds import Family
+from privfl.run import GroundTruth
 
 MEAN_SSIM_LIMIT = 512
+
+
+@dataclass
+class Candidates:
+    images: torch.Tensor  # (M, C, H, W) in [0, 1]
+    weights: torch.Tensor  # (M,) summing to 1
+    exact: int | None = None  # index of the image this target is exactly about, if any
+    description: str = ""
+
+
+def candidates(truth: GroundTruth, target: Target) -> Candidates:
+    """The images behind ``target`` (see the module docstring)."""
+    family = target.family
+    seq = target.message_seq
+    t = truth.message_truth(seq) if seq is not None and truth.has_message(seq) else {}
+    if family is Family.PER_SAMPLE_REPRESENTATION:
+        idx = t["indices"][target.row : target.row + 1]
+        return Candidates(truth.images(idx), torch.ones(1), 0, "its own image")
+    if "weights" in t:
+        keep = t["weights"] > 0
+        w = t["weights"][keep].float()
+        return Candidates(truth.images(t["indices"][keep]), w / w.sum(), None, f"the client's {int(keep.sum())} training images, RE-weighted")
+    if target.class_id is not None:
+        everyone = target.record is not None and target.record["sender"] == "server"
+        pool = torch.cat(list(truth.train.values())) if everyone else truth.client_train(target.client)
+        idx = pool[truth.labels[pool] == target.class_id]
+        where = "all clients'" if everyone else "the client's"
+        return Candidates(truth.images(idx), torch.full((len(idx),), 1.0 / len(idx)), None, f"{where} {len(idx)} training images of its class")
+    idx = t["indices"] if "indices" in t else truth.client_train(target.client)
+    return Candidates(truth.images(idx), torch.full((len(idx),), 1.0 / len(idx)), None, f"the {len(idx)} samples behind the message")
 
 
 def _single(recon: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
@@ -21,7 +65,7 @@ def _single(recon: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
 
 
 def score(recon: torch.Tensor, cand: Candidates) -> dict[str, float | int]:
-    """Flat dict: exact_* (if any), best_*, mean_* metrics and best_index."""
+    """Flat dict: exact_* (if any), best_*, mean_* metrics and best_index, for one image (C, H, W)."""
     out: dict[str, float | int] = {}
     if cand.exact is not None:
         out.update({f"exact_{k}": v for k, v in _single(recon, cand.images[cand.exact]).items()})
@@ -44,3 +88,92 @@ def score(recon: torch.Tensor, cand: Candidates) -> dict[str, float | int]:
 def headline(scores: dict[str, float | int]) -> str:
     """The prefix that best describes a target: its own image when it has one, else the best match."""
     return "exact" if "exact_psnr" in scores else "best"
+
+
+@dataclass
+class Scored:
+    """Per-image rows, the summary, and the gallery: truth images above rows of reconstructions."""
+
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    truth_images: torch.Tensor
+    gallery_rows: list[tuple[str, torch.Tensor]]
+    captions: list[str]
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    rule: str = ""
+    headline_metric: str = "psnr"
+
+
+class RepresentationScorer:
+    """Exact / best / weighted-mean scores of one image per target (representation families)."""
+
+    rule = "per-sample: its own image; aggregates: best match and (weighted) mean over the aggregate's images"
+
+    def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
+        rows, truth_images, captions, labels = [], [], [], []
+        for r in recons:
+            cand = candidates(truth, r.target)
+            s = score(r.image, cand)
+            h = headline(s)
+            truth_images.append(cand.images[cand.exact if h == "exact" else s["best_index"]])
+            captions.append(f"{r.target.client} {r.target.label[:18]}")
+            labels.append(f"PSNR {s[h + '_psnr255']:.2f} dB")
+            t = r.target
+            rows.append({"target": t.key, "kind": t.kind, "client": t.client, "round": t.round, "label": t.label,
+                         "counterfactual": t.counterfactual, "ground_truth": cand.description,
+                         "feature_mse": r.loss, "seconds": r.seconds, **s, "headline": h})
+        summary: dict[str, Any] = {"targets": len(rows), "seconds_total": round(seconds, 2),
+                                   "seconds_per_target": round(seconds / max(len(rows), 1), 3)}
+        for prefix in ("exact", "best", "mean"):
+            per = {m: [row[f"{prefix}_{m}"] for row in rows if f"{prefix}_{m}" in row]
+                   for m in ("psnr255", "mse255", "psnr", "mse", "ssim", "lpips")}
+            summary.update({f"{prefix}_{k}": v for k, v in summarize({m: v for m, v in per.items() if v}).items()})
+        images = torch.stack([r.image for r in recons])
+        return Scored(rows, summary, torch.stack(truth_images), [(title, images)], captions, {title: labels}, self.rule,
+                      "exact_psnr255" if "exact_psnr255" in summary else "best_psnr255")
+
+
+class BatchScorer:
+    """Images rebuilt from a gradient or parameter message, matched to the samples behind it."""
+
+    rule = "hungarian matching over an exact batch; otherwise each image's best match in the message's samples"
+
+    def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
+        rows, truth_row, final_row, snap_rows, labels = [], [], [], {}, []
+        for r in recons:
+            t = truth.message_truth(r.target.message_seq)
+            cand = truth.images(t["indices"])
+            batch = int(r.notes.get("batch_size", len(r.images)))
+            exact = len(t["indices"]) == batch
+            pairs = hungarian_match(r.images, cand) if exact else [(i, best_match(r.images[i], cand)[0]) for i in range(len(r.images))]
+            for i, j in pairs:
+                s = {k: v[0] for k, v in score_images(r.images[i : i + 1], cand[j : j + 1]).items()}
+                rows.append({"client": r.target.client, "round": r.target.round, "message_seq": r.target.message_seq, "image": i,
+                             "matched_truth": int(t["indices"][j]),
+                             "matching": "hungarian over the exact batch" if exact else "best match in the client's data",
+                             "label_recovered": int(r.labels[i]) if r.labels is not None else None,
+                             "label_source": r.notes.get("label_source", ""), "seconds": r.seconds / len(pairs), **s})
+                truth_row.append(cand[j])
+                final_row.append(r.images[i])
+                labels.append(f"PSNR {s['psnr']:.1f} dB")
+                for step, x in r.snapshots[:-1]:
+                    snap_rows.setdefault(step, []).append(x[i])
+        summary = {"images": len(rows), "messages": len(recons),
+                   "seconds_per_message": round(sum(r.seconds for r in recons) / max(len(recons), 1), 2),
+                   **summarize({m: [row[m] for row in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim")})}
+        steps = sorted(snap_rows)
+        shown = [steps[i] for i in sorted({0, len(steps) // 2, len(steps) - 1})] if steps else []
+        gallery = [(f"step {st}", torch.stack(snap_rows[st])) for st in shown if len(snap_rows[st]) == len(final_row)]
+        gallery.append((title, torch.stack(final_row)))
+        return Scored(rows, summary, torch.stack(truth_row), gallery, [row["client"] for row in rows], {title: labels}, self.rule)
+
+
+def scorer_for(family: Family) -> RepresentationScorer | BatchScorer:
+    if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
+        return RepresentationScorer()
+    if family in (Family.GRADIENT, Family.PARAMETERS):
+        return BatchScorer()
+    raise ValueError(f"no scoring rule for the {family} family yet")
+
+
+__all__ = ["BatchScorer", "Candidates", "RepresentationScorer", "Scored", "candidates", "headline", "score", "scorer_for"]

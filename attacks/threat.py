@@ -8,6 +8,10 @@ them, naming what is missing. Ground truth is never a capability.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from privfl.run import AttackerView
 
 
 @dataclass(frozen=True)
@@ -41,3 +45,17 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters",
     ),
 }
+
+
+def available(view: AttackerView) -> Knowledge:
+    """What a run lets an attacker have. Extractors only when the run declares and stores them; the
+    previous state when some message an attack could take as one (a kind named ``previous`` by a
+    leakage declaration of a kind the run sends) was delivered to a client; the local
+    hyperparameters always, since the server set them (they are the run's config)."""
+    method = view.method_cls
+    previous_kinds = {ctx.previous for k in view.kinds() if (ctx := method.leakage_context(k)) is not None}
+    return Knowledge(
+        extractor="extractor" in view.granted(),
+        previous_state=any(r["receiver"] != "server" and r["kind"] in previous_kinds for r in view.records()),
+        local_hyperparameters=True,
+    )

@@ -64,10 +64,10 @@ def fedre_run(tmp_path_factory) -> Path:
 
 
 def test_attack_code_never_reads_ground_truth(fedre_run, monkeypatch):
+    from attacks import Selection, create_attack
     from attacks import invert as invert_mod
-    from attacks.targets import TARGET_BUILDERS
-    from attacks.view import AttackerView
     from privfl.capture import store
+    from privfl.run import Run
 
     original = store.TensorStore.__init__
 
@@ -76,27 +76,32 @@ def test_attack_code_never_reads_ground_truth(fedre_run, monkeypatch):
         original(self, root, role, **kw)
 
     monkeypatch.setattr(store.TensorStore, "__init__", guarded)
-    view = AttackerView(fedre_run)
-    rec = view.messages("ent_rep", 1)[0]
-    targets = TARGET_BUILDERS.get("ent_rep")(rec, view.load(rec), view.dataset["class_names"], 4)
-    attack = invert_mod.RepresentationInversion(DIPConfig(**{**SMALL.__dict__, "steps": 3}))
-    recons = attack.reconstruct(targets, view)
-    assert len(recons) == 1 and recons[0].image.shape == (1, 28, 28)
+    view = Run.open(fedre_run).attacker
+    attack = create_attack("invert", config=invert_mod.InversionConfig(**{**SMALL.__dict__, "steps": 3}))
+    plan = attack.plan(view, Selection(kind="ent_rep", rounds=[1], clients=["client0"]))
+    recons = attack.run_batch(plan.targets)
+    assert len(recons) == 1 and recons[0].image.shape == (1, 28, 28) and recons[0].target.label
     # and statically: no attack-side module imports the ground-truth or partition code
-    for name in ("base", "dip", "invert", "gradleak", "targets", "view", "threat"):
+    for name in ("base", "context", "dip", "invert", "gradleak", "view", "threat"):
         tree = ast.parse((Path(invert_mod.__file__).parent / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not any(m and ("groundtruth" in m or "privfl.data" in m or "compare" in m) for m in imported), name
+        assert not any(m and ("groundtruth" in m or "privfl.data" in m or "compare" in m or "scoring" in m) for m in imported), name
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert "GroundTruth" not in names, name
 
 
 def test_every_registered_attack_declares_needs_and_consumes():
-    from attacks.invert import ATTACKS
+    from attacks import ATTACKS, Attack
     from attacks.threat import THREAT_MODELS, Knowledge
+    from privfl.kinds import KINDS, Family
 
+    families = {str(f) for f in Family}
     for name in ATTACKS.names():
         cls = ATTACKS.get(name)
-        assert isinstance(cls.__dict__.get("needs"), Knowledge) and cls.consumes and cls.threat_model in THREAT_MODELS
+        assert issubclass(cls, Attack) and cls.name == name and cls.paper
+        assert isinstance(cls.needs, Knowledge) and cls.threat_model in THREAT_MODELS
+        assert cls.consumes and cls.consumes <= families | set(KINDS.names())
 
 
 def test_cli_invert_and_compare_write_results(fedre_run, capsys):

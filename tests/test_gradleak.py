@@ -36,8 +36,10 @@ def rebuild(model, grads, variant, steps, seed=0):
 
 def test_dlg_recovers_a_real_cifar_image(victim):
     model, images, labels, grads = victim
-    rec, r = rebuild(model, grads, "dlg", 60)
-    assert psnr(rec, images).item() > 25.0  # DLG's 300 steps reach > 30 dB (benchmark)
+    rec, r = rebuild(model, grads, "dlg", 100)
+    # DLG's 300 steps reach > 50 dB (benchmark); 100 steps gave 33 dB on one machine and > 25 dB at 60 on
+    # another: L-BFGS trajectories differ in the last bits between CPUs, hence the margin
+    assert psnr(rec, images).item() > 25.0
     assert r.labels.tolist() == labels.tolist() and r.snapshots
 
 

@@ -54,13 +54,12 @@ def test_bad_input(runs, capsys):
 
 
 def test_a_leakage_module_named_unlike_the_messages_is_refused(runs, capsys, monkeypatch):
-    """A method whose leakage module does not carry its messages' tensor names must not be attacked from
-    random weights: one line, exit 2, before any optimisation."""
-    from torch import nn
-
+    """A method whose declared leakage module does not carry its messages' tensor names must not be attacked
+    from random weights: one line, exit 2, before any optimisation."""
+    from privfl.methods import LeakageContext
     from privfl.methods.fedsgd import FedSGD
 
-    monkeypatch.setattr(FedSGD, "leakage_module", classmethod(lambda cls, kind, req: nn.Sequential(nn.Flatten(), nn.Linear(784, 10))))
+    monkeypatch.setattr(FedSGD, "leakage", {"grad": LeakageContext(previous="model", prefix="backbone.")})
     code = run_cli("privfl.attack", lambda: attack_main(["dlg", "--artifact", "grad", "--run", str(runs / "fedsgd"),
                                                         "--clients", "0", "--steps", "2", "--no-progress"]))
     text = capsys.readouterr().err.strip()

@@ -1,0 +1,210 @@
+"""The one attack runner: plan, run, score against ground truth, write. Every entry point calls it.
+
+    from privfl import Run
+    from attacks import run_attack
+
+    report = run_attack(Run.open("runs/latest"), "invert", kind="ent_rep", options={"steps": 1000})
+    report.summary["best_psnr255"], report.folder        # numbers, and RUN/attacks/invert-ent_rep-r19/
+
+:func:`run_attack` asks the attack for its plan on the attacker's view of the run (messages and the
+knowledge the run grants, no ground truth), runs it with a progress bar, and only then opens the
+ground truth to score the reconstructions (the rule depends on the artifact's family, see
+:mod:`attacks.scoring`). Results are written into a temporary folder beside ``RUN/attacks/<name>``
+and swapped in whole, so a killed attack leaves the previous result, never half of a new one:
+``gallery.png``, ``metrics.json`` (protocol, summary, one row per image), ``metrics.csv``,
+``summary.csv``, ``reconstructions.safetensors`` and ``index.html``.
+
+The CLI (``python -m privfl.attack``), the experiments and the audit all go through here; the
+rep/proto/ent_rep comparison (:mod:`attacks.compare`) uses :func:`execute` and :func:`write_report`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from attacks.base import Attack, AttackNotApplicable, Reconstruction, Selection, Target, create_attack
+from attacks.scoring import Scored, scorer_for
+from privfl.errors import ConfigError
+from privfl.kinds import KINDS
+from privfl.run import Run
+from privfl.runs import swap_in_folder
+
+
+@dataclass
+class AttackReport:
+    """What one attack run produced: its protocol, summary numbers, per-image rows, the
+    reconstructions, and the folder it was written to (None with ``write=False``)."""
+
+    attack: str
+    kind: str
+    round: int
+    protocol: dict[str, Any]
+    summary: dict[str, Any]
+    rows: list[dict[str, Any]]
+    reconstructions: list[Reconstruction] = field(repr=False)
+    folder: Path | None = None
+
+
+def _device(name: str | torch.device) -> torch.device:
+    from privfl.engine import resolve_device
+
+    return name if isinstance(name, torch.device) else resolve_device(name)
+
+
+def execute(attack: Attack, targets: Sequence[Target], *, progress: bool = False, desc: str = "") -> tuple[list[Reconstruction], float]:
+    """Run ``attack`` on ``targets`` with a progress bar (steps and the current loss); (results, seconds)."""
+    from tqdm.auto import tqdm
+
+    attack.prepare(targets)
+    bar = tqdm(total=attack.steps_for(targets), desc=desc or f"{attack.name} on {len(targets)} target(s)", unit="step",
+               disable=not progress, dynamic_ncols=True)
+
+    def hook(label: str, step: int, steps: int, loss: float) -> None:
+        bar.update(1)
+        if step % 25 == 0 or step == steps - 1:
+            bar.set_postfix_str(f"{label} loss {loss:.3g}")
+
+    start = time.perf_counter()
+    try:
+        recons = attack.run_batch(targets, hook)
+    finally:
+        bar.close()
+    return recons, time.perf_counter() - start
+
+
+def lpips_note() -> str:
+    from attacks.metrics import lpips_status
+
+    ok, why = lpips_status()
+    return "computed" if ok else f"unavailable: {why}"
+
+
+def base_protocol(attack: Attack, run: Run) -> dict[str, Any]:
+    """What every result records: the attack, its paper, threat model and knowledge, the run, seed, device."""
+    return {"attack": attack.name, "paper": attack.paper, "run": str(run.path), "method": run.method,
+            "threat_model": attack.threat_model, "threat_model_text": attack.threat_text(),
+            "knowledge_used": attack.needs.granted(), "seed": attack.seed, "device": str(attack.device),
+            "psnr_convention": "per image, then averaged", "lpips": lpips_note()}
+
+
+def run_attack(
+    run: Run | str | Path,
+    attack: str | Attack,
+    *,
+    kind: str | None = None,
+    round: int | None = None,
+    clients: Sequence[str | int] | None = None,
+    max_targets: int = 4,
+    options: dict[str, Any] | None = None,
+    seed: int = 0,
+    device: str | torch.device = "auto",
+    name: str | None = None,
+    write: bool = True,
+    progress: bool = False,
+    data_root: str | None = None,
+) -> AttackReport:
+    """Plan ``attack`` on ``run`` (one kind, one round: the last with it unless ``round``), run it, score
+    it against ground truth and (with ``write``) save the results under ``RUN/attacks/<name>``.
+
+    ``attack`` is a registered name (``invert``, ``dlg``, ``idlg``, ``ig``, ...) built with ``options``,
+    or an :class:`~attacks.base.Attack` instance. Raises :class:`~attacks.base.AttackNotApplicable`
+    (one line, exit status 2 in the CLIs) when nothing in the selection can be attacked.
+    """
+    run = run if isinstance(run, Run) else Run.open(run)
+    if isinstance(attack, str):
+        attack = create_attack(attack, seed=seed, device=_device(device), **(options or {}))
+    elif options:
+        raise ConfigError("pass options with an attack name, or configure the Attack instance yourself")
+    selection = Selection(kind, None if round is None else [round], client_names(clients), max_targets)
+    view = run.attacker
+    plan = attack.plan(view, selection)
+    if not plan:
+        raise AttackNotApplicable(plan.reason)
+    if len(plan.kinds) > 1:
+        raise ConfigError(f"run {run.name} sends several kinds {attack.name} takes ({', '.join(plan.kinds)}): choose one (kind=..., --artifact)")
+    kind, rnd = plan.kinds[0], plan.rounds[-1]
+    targets = plan.targets
+    recons, seconds = execute(attack, targets, progress=progress, desc=f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)")
+
+    truth = run.ground_truth(data_root)  # opened only now, for scoring
+    family = KINDS.get(kind).family
+    scorer = scorer_for(family)
+    title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
+    scored = scorer.score(recons, truth, title, seconds)
+    protocol = {**base_protocol(attack, run), **attack.protocol(), "artifact": kind, "family": str(family), "round": rnd,
+                "clients": sorted({t.client for t in targets}, key=_client_order), "ground_truth_rule": scored.rule}
+    if hasattr(attack, "levels_used"):
+        protocol["dip_levels_used"] = attack.levels_used(run.dataset["image_size"])
+        protocol["psnr_convention"] = ("per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) "
+                                       "averaged separately")
+    notes = {k: v for r in recons for k, v in r.notes.items() if k in ("target_note", "approximation")}
+    if notes.get("target_note"):
+        protocol["target"] = notes["target_note"]
+        protocol["batch_size"] = recons[0].notes.get("batch_size")
+    if notes.get("approximation"):
+        protocol["approximation"] = notes["approximation"]
+    report = AttackReport(attack.name, kind, rnd, protocol, scored.summary, scored.rows, recons)
+    if write:
+        heading = f"{kind} r{rnd}"
+        report.folder = write_report(
+            run, name or f"{attack.name}-{kind}-r{rnd}", scored, protocol,
+            title=f"{attack.name} on {kind}: {run.method} round {rnd}", heading=heading,
+            gallery_title=f"{attack.name} on {kind} ({run.method}, round {rnd})",
+            reconstructions={r.target.key.replace("/", "."): r.images for r in recons})
+    return report
+
+
+def write_report(run: Run, name: str, scored: Scored, protocol: dict[str, Any], *, title: str, heading: str,
+                 gallery_title: str, reconstructions: dict[str, torch.Tensor], text: str = "") -> Path:
+    """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
+    ``RUN/attacks/<name>`` whole."""
+    from attacks.report import save_gallery, write_html, write_metrics
+
+    check_output_name(name)
+    final = run.path / "attacks" / name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
+    save_gallery(folder / "gallery.png", scored.truth_images, scored.gallery_rows, captions=scored.captions, title=gallery_title,
+                 per_image_labels=scored.labels)
+    save_file({k: v.contiguous() for k, v in reconstructions.items()}, str(folder / "reconstructions.safetensors"))
+    write_metrics(folder, scored.rows, scored.summary, protocol)
+    section = {"heading": heading, "protocol": protocol, "images": "gallery.png", "summary": scored.summary}
+    if text:
+        section["text"] = text
+    write_html(folder, title, [section])
+    return swap_in_folder(folder, final)
+
+
+def check_output_name(name: str) -> None:
+    """An output folder name is one path component (no separators, not '.' or '..')."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise ConfigError(f"output name {name!r} must be a plain folder name (no '/', not starting with '.')")
+
+
+def client_names(clients: Sequence[str | int] | None) -> list[str] | None:
+    """``[0, "3", "client5"]`` -> ``["client0", "client3", "client5"]``."""
+    if clients is None:
+        return None
+    out = []
+    for c in clients:
+        text = str(c).strip()
+        name = text if text.startswith("client") else f"client{text}"
+        if not name.removeprefix("client").isdigit():
+            raise ConfigError(f"clients are given as ids like 0,3 or client0,client3; got {text!r}")
+        out.append(name)
+    return out
+
+
+def _client_order(name: str) -> int:
+    return int(name.removeprefix("client")) if name.removeprefix("client").isdigit() else -1
+
+
+__all__ = ["AttackReport", "base_protocol", "client_names", "execute", "run_attack", "write_report"]
