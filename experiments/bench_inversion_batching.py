@@ -16,11 +16,9 @@ import sys
 import torch
 
 from attacks.dip import DIPConfig, invert
-from attacks.groundtruth import GroundTruth
 from attacks.metrics import psnr
-from attacks.view import AttackerView
 from privfl.engine import resolve_device
-from privfl.runs import resolve_run
+from privfl.run import Run
 from privfl.seeding import derive_seed
 
 
@@ -33,8 +31,8 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     args = p.parse_args()
     device = resolve_device(args.device)
-    run = resolve_run(args.run)
-    view, truth = AttackerView(run), GroundTruth(run)
+    run = Run.open(args.run)
+    view, truth = run.attacker, run.ground_truth()  # this bench picks the targets itself: it needs the truth
     rnd = max(r["round"] for r in view.extractor_records() if r["client"] == args.client)
     model = view.extractor(args.client, rnd, device)
     idx = truth.client_train(args.client)[: args.k]
@@ -52,7 +50,7 @@ def main() -> int:
     t_single = sum(s.seconds for s in singles) / args.k
     psnr_b = psnr(batched.images, images).mean().item()
     psnr_s = psnr(torch.cat([s.images for s in singles]), images).mean().item()
-    print(f"run {run}, {args.client} r{rnd}, K={args.k}, {args.steps} DIP steps, device {device}")
+    print(f"run {run.path}, {args.client} r{rnd}, K={args.k}, {args.steps} DIP steps, device {device}")
     print(f"one at a time: {t_single:.3f} s per target   (mean PSNR {psnr_s:.2f} dB)")
     print(f"batched (K={args.k}): {t_batched:.3f} s per target   (mean PSNR {psnr_b:.2f} dB)")
     print(f"speed-up batched vs one at a time: {t_single / t_batched:.2f}x")

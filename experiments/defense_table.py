@@ -7,7 +7,7 @@ For every defense setting (``--defenses``, ``;``-separated, each a ``--defense``
    ``privfl.train`` except the model group, since FedNova averages one architecture) trained with the
    defense applied by the channel. Reported: final and best accuracy, and for ``dp`` the largest
    per-client epsilon at the run's delta (opacus RDP accountant, see ``defenses/accounting.py``).
-2. **leakage on its captured updates**: ``privfl.attack dlg`` and ``ig`` on the last round's
+2. **leakage on its captured updates**: ``attacks.run_attack`` (``dlg`` and ``ig``) on the last round's
    uploads of ``--attack-clients`` of that very run, as a curious server would (a one-image
    reconstruction per message, best-matched within the client's data, because an update of many
    local steps over hundreds of images has no single batch to match).
@@ -31,10 +31,11 @@ import json
 import sys
 from pathlib import Path
 
-from privfl import attack as attack_cli
+import attacks
 from privfl.config import build_config
 from privfl.engine import train
 from privfl.methods import resolve_method
+from privfl.run import Run
 
 DEFAULT_DEFENSES = ";".join([
     "none",
@@ -47,20 +48,20 @@ DEFAULT_DEFENSES = ";".join([
 ])
 
 
-def run_training(values: dict, name: str, out_dir: Path) -> dict:
+def run_training(values: dict, name: str, out_dir: Path) -> Run:
+    """Train ``values`` as given (no method quick defaults: the table's settings are the run's)."""
     values = {**values, "out_dir": str(out_dir), "run_name": name, "progress": False}
     cfg = build_config(values, getattr(resolve_method(values["method"]), "Options", None))
     return train(cfg)
 
 
-def run_attack(variant: str, run_dir: str, artifact: str, clients: str, steps: int, seed: int, device: str) -> dict:
-    """One ``privfl.attack`` call (the CLI's own code path); returns its summary."""
-    name = f"{variant}-{artifact}"
-    code = attack_cli.main([variant, "--run", run_dir, "--artifact", artifact, "--clients", clients, "--steps", str(steps),
-                            "--batch-size", "1", "--seed", str(seed), "--name", name, "--no-progress", "--device", device])
-    if code != 0:
-        raise SystemExit(f"{variant} on {run_dir} failed with exit status {code}")
-    return json.loads((Path(run_dir) / "attacks" / name / "metrics.json").read_text())["summary"]
+def run_attack(variant: str, run: Run, artifact: str, clients: str, steps: int, seed: int, device: str) -> dict:
+    """``variant`` on ``artifact`` of ``run``, one image per message (``max_batch=1``); its summary.
+
+    Written to ``RUN/attacks/<variant>-<artifact>`` so each run folder keeps its galleries."""
+    report = attacks.run_attack(run, variant, kind=artifact, clients=clients.split(","), options={"steps": steps, "max_batch": 1},
+                                seed=seed, device=device, name=f"{variant}-{artifact}")
+    return report.summary
 
 
 def _db(summary: dict) -> float | None:
@@ -102,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.subsample:
             base["subsample"] = args.subsample
         print(f"[{spec}] utility run: {args.method}, {args.rounds} rounds", flush=True)
-        summary = run_training(base, f"{slug}-{args.method}", out)
-        run_dir = summary["run_dir"]
-        leak = {v: run_attack(v, run_dir, args.artifact, args.attack_clients, steps, args.seed, args.device)
+        run = run_training(base, f"{slug}-{args.method}", out)
+        summary = run.summary
+        leak = {v: run_attack(v, run, args.artifact, args.attack_clients, steps, args.seed, args.device)
                 for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
         print(f"[{spec}] probe: fedsgd, batch 1, one round", flush=True)
         probe_values = {"method": "fedsgd", "model_group": args.model_group, "rounds": 1, "batch_size": 1, "seed": args.seed,
                         "subsample": args.probe_subsample, "defense": defense, "device": args.device}
         probe = run_training(probe_values, f"{slug}-probe-fedsgd", out)
-        probe_leak = {v: run_attack(v, probe["run_dir"], "grad", args.attack_clients, steps, args.seed, args.device)
+        probe_leak = {v: run_attack(v, probe, "grad", args.attack_clients, steps, args.seed, args.device)
                       for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
         row = {
             "defense": spec, "method": args.method,
@@ -118,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             "epsilon": max_epsilon(summary),
             "dlg_psnr_run": _db(leak["dlg"]), "ig_psnr_run": _db(leak["ig"]),
             "dlg_psnr_probe": _db(probe_leak["dlg"]), "ig_psnr_probe": _db(probe_leak["ig"]),
-            "epsilon_probe": max_epsilon(probe),
+            "epsilon_probe": max_epsilon(probe.summary),
             "upload_bytes_per_round": round(summary["per_round"]["upload_bytes"]),
-            "run": run_dir, "probe_run": probe["run_dir"],
+            "run": str(run.path), "probe_run": str(probe.path),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

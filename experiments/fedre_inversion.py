@@ -1,7 +1,7 @@
 """FedRE Figure 4 / Q3: how much do representations, prototypes and entangled representations leak?
 
-Runs ``python -m privfl.attack invert --compare rep,proto,ent_rep`` on several clients of a FedRE run
-and prints, beside the paper's Tiny-ImageNet numbers, the mean PSNR / MSE (0-255 scale, per image
+Runs :func:`attacks.compare_artifacts` (what ``python -m privfl.attack invert --compare rep,proto,ent_rep``
+does) on several clients of a FedRE run and prints, beside the paper's Tiny-ImageNet numbers, the mean PSNR / MSE (0-255 scale, per image
 then averaged, as the paper's numbers imply) and SSIM of each artifact, and whether the paper's
 ordering rep > proto > ent_rep holds.
 
@@ -14,18 +14,30 @@ ordering rep > proto > ent_rep holds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
-from privfl.attack import main as attack_main
-from privfl.runs import resolve_run
-from privfl.train import main as train_main
+import privfl
+from attacks import compare_artifacts
+from privfl.config import build_config, read_config_file
+from privfl.methods import resolve_method
+from privfl.run import Run
+
+KINDS = ("rep", "proto", "ent_rep")
 
 PAPER = {"rep": (12.89, 4514.91), "proto": (10.25, 6992.04), "ent_rep": (9.66, 7781.87)}  # [000]/[001] Q3, Tiny-ImageNet
 
 
-def main() -> int:
+def train_config(path: str, data_root: str | None, progress: bool) -> Run:
+    """Train a config file as ``python -m privfl.train --config`` does: the file's settings only,
+    no method quick defaults."""
+    values = {"method": "fedre", **read_config_file(path), "progress": progress}
+    if data_root:
+        values["data_root"] = data_root
+    return privfl.train(build_config(values, resolve_method(values["method"]).Options))
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="a FedRE run (default: the latest)")
     p.add_argument("--train", help="train this config first (e.g. experiments/fedre/tinyimagenet_pra_hete.toml)")
@@ -36,27 +48,16 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args()
-    if args.train:
-        extra = ["--data-root", args.data_root] if args.data_root else []
-        if train_main(["--config", args.train, *extra]) != 0:
-            return 1
-    run = resolve_run(args.run)
-    rows = {k: [] for k in PAPER}
+    args = p.parse_args(argv)
+    trained = train_config(args.train, args.data_root, not args.no_progress) if args.train else None
+    run = trained if trained is not None and args.run is None else Run.open(args.run)
+    rows: dict[str, list[dict]] = {k: [] for k in KINDS}
     for client in args.clients.split(","):
-        argv = ["invert", "--compare", "rep,proto,ent_rep", "--run", str(run), "--clients", client, "--samples", str(args.samples),
-                "--steps", str(args.steps), "--seed", str(args.seed), "--device", args.device]
-        if args.no_progress:
-            argv.append("--no-progress")
-        if args.data_root:
-            argv += ["--data-root", args.data_root]
-        if attack_main(argv) != 0:
-            return 1
-        folder = max((run / "attacks").glob(f"compare-rep-proto-ent_rep-client{client.removeprefix('client')}-r*"), key=lambda f: f.stat().st_mtime)
-        data = json.loads((folder / "metrics.json").read_text())
-        for image in data["images"]:
+        report = compare_artifacts(run, KINDS, client=client, samples=args.samples, options={"steps": args.steps}, seed=args.seed,
+                                   device=args.device, progress=not args.no_progress, data_root=args.data_root)
+        for image in report.rows:
             rows[image["kind"]].append(image)
-    print(f"\nrun {run}: {len(args.clients.split(','))} client(s) x {args.samples} image(s), {args.steps} DIP steps")
+    print(f"\nrun {run.path}: {len(args.clients.split(','))} client(s) x {args.samples} image(s), {args.steps} DIP steps")
     print(f"{'artifact':<10}{'PSNR dB':>9}{'MSE 0-255':>11}{'SSIM':>7}{'best PSNR':>11}   paper PSNR / MSE (Tiny-ImageNet)")
     means = {}
     for kind, images in rows.items():

@@ -18,7 +18,7 @@ open; this script implements the spec's decisions:
   attacker's gradient estimate d / lr then carries exactly N(0, s^2).
 - attack: :func:`attacks.gradleak.leak` with DLG's settings (joint dummy image + soft label, L-BFGS lr 1,
   squared gradient distance), 200 ``step`` calls, a snapshot every 10; the attacker knows the model it
-  broadcast and the lr, so its target is d / lr (``GradientLeakage.target`` for ``update``).
+  broadcast and the lr, so its target is d / lr (``GradientLeakage.observation`` for ``update``).
 - DRDFL row: when ``experiments/drdfl/fig9_learngene.py`` exists (issue 6), its ``attack_learngene``
   is run on the same images and added to the table.
 

@@ -63,3 +63,20 @@ def test_defense_table_script(tmp_path):
         assert 0 <= r["final_acc"] <= 1
         assert Path(r["run"], "attacks", "dlg-update", "gallery.png").is_file()
         assert Path(r["probe_run"], "attacks", "ig-grad", "metrics.json").is_file()
+
+
+def test_fig9_learngene_one_step_protocol():
+    """DRDFL's row: the attacker's probe is DRDFL's declared Learngene module, named like the message."""
+    import torch
+
+    from attacks.images import packaged_images
+    from privfl.methods.drdfl import DRDFL
+
+    learngene = _load(ROOT / "experiments" / "drdfl" / "fig9_learngene.py")
+    req = learngene._request(10, 0, 8)
+    probe = learngene.attacker_probe(req, torch.zeros(2, 3, 32, 32), seed=1)
+    sent = probe.to_module_names(DRDFL.learngene_tensors(DRDFL.build_client_model(req)))
+    assert sent and set(sent) <= {n for n, _ in probe.named_parameters()}
+    images, labels = packaged_images("cifar10", 1)
+    [(row, rec)] = list(learngene.attack_learngene("cifar10", images, labels, steps=1, seed=0, width=8))
+    assert row["system"] == "DRDFL Learngene" and rec.shape == (3, 32, 32) and -100 < row["psnr"] < 100

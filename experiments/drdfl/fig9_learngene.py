@@ -7,14 +7,16 @@ Two protocols (shared/specs/drdfl.md section 5; docs/methods/drdfl.md "Gradient 
    step (batch 1, lr ``LR``) of its full loss (L_PR + L_GL + L_rec + L_ce), starting from a Learngene
    phi_start the attacker knows; the Learngene message goes through a real Channel to the next node.
    The attacker forms g = (phi_start - phi_end) / lr, the exact phi-gradient of that loss, and runs
-   DLG (L-BFGS, joint dummy image + soft label, ``steps`` steps) through
-   ``DRDFL.leakage_module``: the Learngene followed by a classifier of its own on mu_l (it never sees
-   PersonaNet, decoder, f_omega or the adversary, so it cannot rehearse the loss the client used).
+   DLG (L-BFGS, joint dummy image + soft label, ``steps`` steps) through the module DRDFL declares for
+   a Learngene message (``DRDFL.leakage``, built as :class:`attacks.context.LeakageModule`): the
+   Learngene followed by a classifier of its own on mu_l (it never sees PersonaNet, decoder, f_omega
+   or the adversary, so it cannot rehearse the loss the client used).
    Yields ``(row, reconstruction)`` pairs in fig9_gradleak.py's row format.
-2. ``main()``: a short real DRDFL run on Fashion-MNIST, then ``privfl.attack dlg --artifact learngene``
-   on the last round's captured Learngene messages (previous state: the Learngene each sender received
-   in the round it trained; target (prev - sent) / (lr * local steps)); prints PSNR. With
-   ``--cifar N`` it also runs protocol 1 on N packaged CIFAR-10 test images.
+2. ``main()``: a short real DRDFL run on Fashion-MNIST (``privfl.train``), then DLG
+   (``attacks.run_attack(run, "dlg", kind="learngene")``) on the last round's captured Learngene
+   messages (previous state: the Learngene each sender received in the round it trained; target
+   (prev - sent) / (lr * local steps)); prints PSNR. With ``--cifar N`` it also runs protocol 1 on N
+   packaged CIFAR-10 test images.
 
     python experiments/drdfl/fig9_learngene.py                 # ~2 minutes on a CPU
     python experiments/drdfl/fig9_learngene.py --steps 200 --cifar 4
@@ -23,7 +25,6 @@ Two protocols (shared/specs/drdfl.md section 5; docs/methods/drdfl.md "Gradient 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -32,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+import attacks
+import privfl
+from attacks.context import LeakageModule
 from attacks.gradleak import GradLeakConfig, leak
 from attacks.metrics import psnr, ssim
 from privfl.capture.message import Message
@@ -49,6 +53,16 @@ def _request(num_classes: int, seed: int, width: int) -> ModelRequest:
     cfg = build_config({"method": "drdfl", "seed": seed, "options": {"width": width, "persona_width": width,
                                                                      "decoder_width": width}}, DRDFL.Options)
     return ModelRequest("cnn4", 0, 3, num_classes, 32, cfg, DRDFL.Options(**cfg.options))
+
+
+def attacker_probe(req: ModelRequest, example: torch.Tensor, seed: int) -> LeakageModule:
+    """The module the ring neighbour differentiates, as DRDFL declares it for ``learngene``: the
+    Learngene of a client model it builds itself (architecture known, weights random), followed by a
+    random probe classifier of its own; eval mode. Seeded apart from the victim's draws."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        body = DRDFL.build_client_model(req).learngene
+        return LeakageModule(body, DRDFL.leakage["learngene"], req.num_classes, example).eval()
 
 
 def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, steps: int = 200, seed: int = 0,
@@ -70,10 +84,11 @@ def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, s
         opt.step()
         sent = Channel(None, None).send(Message(0, f"client{i}", f"client{i + 1}", "learngene", DRDFL.learngene_tensors(model),
                                                 {"lr": LR, "num_samples": 1, "local_epochs": 1, "batch_size": 1}))
-        probe = DRDFL.leakage_module("learngene", req)
-        probe.load_state_dict(start, strict=False)  # the attacker knows phi_start (strongest case)
+        probe = attacker_probe(req, torch.zeros_like(x).expand(2, -1, -1, -1), derive_seed(seed, "drdfl-probe", dataset, i))
+        probe.load_state_dict(probe.to_module_names(start), strict=False)  # the attacker knows phi_start (strongest case)
         names = {n for n, _ in probe.named_parameters()}
-        target = {k: (start[k] - v) / LR for k, v in sent.tensors.items() if k in names}
+        gradient = {k: (start[k] - v) / LR for k, v in sent.tensors.items()}
+        target = {k: v for k, v in probe.to_module_names(gradient).items() if k in names}
         t0 = time.perf_counter()
         res = leak(probe, target, (3, 32, 32), num_classes, cfg, seed=derive_seed(seed, "dlg-drdfl", dataset, i))
         rec = (res.images * STD + MEAN).clamp(0, 1)
@@ -84,25 +99,21 @@ def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    from privfl.attack import main as attack_main
-    from privfl.train import main as train_main
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="DLG steps (the paper: 200)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="ring rounds (at least 2: round 0's senders had received nothing)")
     p.add_argument("--cifar", type=int, default=0, help="also run the one-step protocol on N packaged CIFAR-10 images")
     p.add_argument("--out", default=None, help="run folder (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.rounds < 2:  # a round-0 Learngene has no previous state to difference against
+        p.error("--rounds must be at least 2: the attack needs a Learngene its sender received in an earlier round")
     out = Path(args.out or tempfile.mkdtemp(prefix="drdfl-fig9-"))
-    train_main(["drdfl", "--subsample", "2000", "--partition", "iid", "--num-clients", "4", "--rounds", str(args.rounds),
-                "--model-group", "homo-cnn4", "--global-test-samples", "200", "--no-progress", "--seed", str(args.seed),
-                "--out-dir", str(out), "--run-name", "train"])
-    run = out / "train"
-    attack_main(["dlg", "--run", str(run), "--artifact", "learngene", "--steps", str(args.steps), "--batch-size", "1",
-                 "--no-progress", "--seed", str(args.seed)])
-    summary = json.loads(next((run / "attacks").glob("dlg-learngene-*/metrics.json")).read_text())["summary"]
-    print(f"DRDFL Learngene, captured messages of round {args.rounds - 1}: PSNR {summary['psnr']:.2f} dB, SSIM {summary['ssim']:.3f}")
+    run = privfl.train("drdfl", subsample=2000, partition="iid", num_clients=4, rounds=args.rounds, model_group="homo-cnn4",
+                       global_test_samples=200, progress=False, seed=args.seed, out_dir=str(out), run_name="train")
+    report = attacks.run_attack(run, "dlg", kind="learngene", options={"steps": args.steps, "max_batch": 1}, seed=args.seed)
+    summary = report.summary
+    print(f"DRDFL Learngene, captured messages of round {report.round}: PSNR {summary['psnr']:.2f} dB, SSIM {summary['ssim']:.3f}")
     if args.cifar:
         from attacks.images import packaged_images
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from privfl.config import build_config, read_config_file, save_config
-from privfl.engine import Trainer, train
+from privfl.engine import resume, train
 from privfl.methods.drdfl import DRDFL
 
 PAPER_CONFIG = Path(__file__).with_name("cifar10_shard4.toml")
@@ -69,11 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(out / "stage1", run)
         cfg = build_config({**values, "rounds": args.stage1 + args.stage2, "run_name": variant,
                             "options": {**options, "join_adopt": adopt}}, DRDFL.Options)
-        save_config(cfg, run)
-        trainer = Trainer(cfg, run, resume=True)
-        trainer.load_checkpoint()
-        trainer.run()
-        curve = [sum(h["client_acc"][args.old:]) / args.new for h in trainer.history[args.stage1:]]
+        save_config(cfg, run)  # the copy continues under stage 2's config (more rounds, the join rule)
+        finished = resume(run, cfg)
+        curve = [sum(h["client_acc"][args.old:]) / args.new for h in finished.metrics[args.stage1:]]
         results[variant] = curve
         print(f"{variant:<15} new clients' mean accuracy per stage-2 round: {' '.join(f'{a:.3f}' for a in curve)}")
     (out / "new_clients.json").write_text(json.dumps({"old": args.old, "new": args.new, "stage1": args.stage1,
