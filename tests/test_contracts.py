@@ -1,0 +1,199 @@
+"""Contract tests, parametrised over every registered method, attack, defense and artifact kind.
+
+A new method, attack, defense or kind is checked here without a test of its own: every method trains two
+rounds on tiny real data and every message it sent satisfies its kind; for each kind a method sends,
+every attack either plans targets or says why not; every defense transforms every kind of its families
+(and only those) without breaking the kind; a kind registered with one call works with the channel,
+the capture, the defenses and the attacks of its family, end to end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attacks import ATTACKS, Selection, run_attack
+from defenses import DEFENSES, parse_defense
+from privfl.capture import Message
+from privfl.channel import Channel
+from privfl.kinds import KINDS, ArtifactKind, Family, MessageContractError, TensorSpec, example_message, register_kind
+from privfl.methods import METHODS, check_method_class
+from privfl.run import Run
+from privfl.train import main as train_main
+
+TINY = ["--subsample", "600", "--partition", "iid", "--rounds", "2", "--no-progress", "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One two-round run per registered method, trained once for the tests of this module."""
+    from tests.conftest import FMNIST
+
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    out = tmp_path_factory.mktemp("contracts")
+    cache: dict[str, Path] = {}
+
+    def get(method: str) -> Path:
+        if method not in cache:
+            group = ["--model-group", "homo-cnn4"] if METHODS.get(method).requires_homogeneous else []
+            assert train_main([method, *TINY, *group, "--out-dir", str(out), "--run-name", method]) == 0
+            cache[method] = out / method
+        return cache[method]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------ methods
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_method_is_well_declared(method):
+    cls = METHODS.get(method)
+    check_method_class(cls)
+    assert cls.paper and set(cls.sends) <= set(KINDS.names())
+    for kind in cls.sends:
+        ctx = cls.leakage_context(kind)
+        assert (ctx is not None) == (KINDS.get(kind).form is not None and KINDS.get(kind).family is not Family.GENERATOR)
+
+
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_method_trains_and_every_message_satisfies_its_kind(trained, method):
+    run = Run.open(trained(method))
+    assert len(run.metrics) == 2 and all(0.0 <= h["acc"] <= 1.0 for h in run.metrics)
+    assert run.info["sends"] == METHODS.get(method).sends
+    records = run.capture.records()
+    assert {r["kind"] for r in records} == set(METHODS.get(method).sends)
+    for rec in records:
+        spec = KINDS.get(rec["kind"])
+        tensors = run.capture.load(rec)
+        assert spec.problems(tensors, rec["meta"], rec["direction"], rec["aux"]) == [], rec["seq"]
+        assert tuple(rec["aux"]) == tuple(n for n in spec.aux_names if n in tensors) or not spec.aux_names
+
+
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_attack_plans_or_says_why_on_every_kind_sent(trained, method):
+    view = Run.open(trained(method)).attacker
+    for kind in view.kinds():
+        for name in ATTACKS.names():
+            attack = ATTACKS.get(name)()
+            plan = attack.plan(view, Selection(kind=kind, max_targets=1))
+            if plan:
+                assert all(t.kind == kind and t.view is view for t in plan.targets)
+                assert attack.takes(kind)
+            else:
+                assert plan.reason and "\n" not in plan.reason, (name, kind)
+
+
+def test_attack_list_shows_applicable_attacks_and_reasons(trained, capsys):
+    from privfl.attack import main as attack_main
+
+    assert attack_main(["list", "--run", str(trained("fedre"))]) == 0
+    out = capsys.readouterr().out
+    assert "invert   applies to ent_rep" in out
+    for name in ("dlg", "idlg", "ig"):
+        assert f"{name:<8} does not apply: " in out and "takes (gradient, parameters)" in out
+    assert attack_main(["list", "--run", str(trained("fedsgd"))]) == 0
+    out = capsys.readouterr().out
+    assert "dlg      applies to grad" in out and "invert   does not apply: attack invert needs extractor" in out
+
+
+# ------------------------------------------------------------------------------------------ kinds
+@pytest.mark.parametrize("kind", KINDS.names())
+def test_every_kind_accepts_its_example_and_refuses_what_it_lacks(kind):
+    spec = KINDS.get(kind)
+    for direction in ("up", "down", "peer"):
+        msg = example_message(kind, direction)
+        assert spec.problems(msg.tensors, msg.meta, direction, msg.aux) == []
+        Channel(method="m", sends={kind: "up/down/peer"}).send(msg)
+    required_meta = [m for m in spec.meta if m.required and m.applies("up")]
+    up = example_message(kind, "up")
+    if required_meta:
+        key = required_meta[0].key
+        bad = Message(0, "client0", "server", kind, up.tensors, {k: v for k, v in up.meta.items() if k != key})
+        with pytest.raises(MessageContractError, match=f"missing meta '{key}'"):
+            Channel(method="m").send(bad)
+    named = [t.name for t in spec.tensors if t.required and not t.is_pattern]
+    if named:
+        bad = Message(0, "client0", "server", kind, {k: v for k, v in up.tensors.items() if k != named[0]} or {"x": torch.zeros(1)}, up.meta)
+        with pytest.raises(MessageContractError, match=f"missing tensor '{named[0]}'"):
+            Channel(method="m").send(bad)
+
+
+def test_undeclared_sends_and_unknown_kinds_are_one_line_errors():
+    msg = example_message("model", "up")
+    with pytest.raises(MessageContractError, match="does not declare 'model' in sends") as info:
+        Channel(method="mine", sends={"head": "down"}).send(msg)
+    assert "\n" not in str(info.value) and "mine" in str(info.value)
+    with pytest.raises(MessageContractError, match="declares model: 'down'"):
+        Channel(method="mine", sends={"model": "down"}).send(msg)
+    with pytest.raises(MessageContractError, match="unknown kind 'weights'.*register_kind"):
+        Channel(method="mine").send(Message(0, "client0", "server", "weights", {"w": torch.zeros(1)}))
+
+
+# ------------------------------------------------------------------------------------------ defenses
+@pytest.mark.parametrize("defense", DEFENSES.names())
+@pytest.mark.parametrize("kind", KINDS.names())
+def test_every_defense_applies_to_every_kind_of_its_families(defense, kind):
+    d = parse_defense(f"{defense}:directions=up+down+peer")
+    msg = example_message(kind, "up")
+    ch = Channel(mods=[d], method="m")
+    got = ch.send(msg)
+    spec = KINDS.get(kind)
+    assert spec.problems(got.tensors, got.meta, got.direction, got.aux) == []  # still a valid message of its kind
+    payload = [k for k, t in msg.tensors.items() if k not in got.aux and t.is_floating_point()]
+    changed = any(not torch.equal(got.tensors[k], msg.tensors[k]) for k in payload)
+    assert d.applies_to(msg) == (spec.family in d.families)
+    if spec.family not in d.families:
+        assert not changed and got is not msg  # untouched (the receiver still gets its own copy)
+    assert all(torch.equal(got.tensors[k], msg.tensors[k]) for k in got.aux)  # bookkeeping never touched
+
+
+# ------------------------------------------------------------------------------------------ a new kind, end to end
+_KIND = "test_sketch"
+
+
+def _register_sketch() -> None:
+    if _KIND not in KINDS:
+        register_kind(ArtifactKind(
+            _KIND, Family.AGGREGATE_REPRESENTATION, "per-class sums of representations (a user's kind)",
+            (TensorSpec("sums", ndim=2, doc="(k, d) per-class sums"), TensorSpec("cls", dtype="int", ndim=1, role="aux")),
+            vectors="sums", classes="cls"))
+
+
+def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_path, monkeypatch, fmnist):
+    _register_sketch()
+    assert parse_defense("repnoise").applies_to(example_message(_KIND))  # its family's defense takes it
+    assert ATTACKS.get("invert").takes(_KIND) and not ATTACKS.get("dlg").takes(_KIND)
+    (tmp_path / "sketch_fl.py").write_text(
+        "import torch\n"
+        "from privfl.methods import FLMethod\n"
+        "from privfl.methods.base import class_prototypes\n"
+        "from privfl.capture import Message\n"
+        f"class Sketch(FLMethod):\n"
+        f"    sends = {{'{_KIND}': 'up'}}\n"
+        "    exposes = ('extractor',)\n"
+        "    paper = 'a test method'\n"
+        "    def run_round(self, rnd, selected):\n"
+        "        for c in selected:\n"
+        "            self.local_train(rnd, c)\n"
+        "            reps, labels = self.representations(c)\n"
+        "            cls, protos, counts = class_prototypes(reps, labels, self.env.num_classes)\n"
+        f"            self.send(Message(rnd, c.name, 'server', '{_KIND}', {{'sums': protos, 'cls': cls}}), {{'indices': c.train_idx.cpu()}})\n"
+        "            self.env.knowledge.record_extractor(rnd, c)\n"
+        "        return {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train_main(["sketch_fl:Sketch", *TINY, "--rounds", "1", "--defense", "repnoise:sigma=0.01",
+                       "--out-dir", str(tmp_path), "--run-name", "s"]) == 0
+    run = Run.open(tmp_path / "s")
+    (report_of_defense,) = run.summary["defenses"].values()
+    assert report_of_defense["defended_messages"] == 10
+    rec = run.capture.records()[0]
+    assert rec["kind"] == _KIND and rec["aux"] == ["cls"] and rec["paper_scalars"] == rec["tensors"]["sums"]["shape"][0] * 512
+    report = run_attack(run, "invert", clients=[0], max_targets=2, options={"steps": 2, "input_depth": 4}, device="cpu")
+    assert report.kind == _KIND and len(report.rows) == 2 and all("best_psnr255" in r for r in report.rows)
+    assert all("training images of its class" in r["ground_truth"] for r in report.rows)  # scored by the class rule
+    saved = json.loads((report.folder / "metrics.json").read_text())
+    assert saved["protocol"]["family"] == "aggregate_representation"
