@@ -1,9 +1,10 @@
 # The README's two commands. `make setup` is what both need: a locked virtual environment (uv.lock)
 # and the Fashion-MNIST IDX files from Debian's dataset-fashion-mnist package.
+# `make test` lints first (`make lint`: ruff check, ruff format --check, mypy) and stops at the first failure.
 PY := .venv/bin/python
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: setup data demo test bench
+.PHONY: setup data demo lint format test bench
 setup: .venv/.synced data
 
 .venv/.synced: pyproject.toml uv.lock
@@ -25,7 +26,18 @@ demo: setup
 	$(PY) -m privfl.capture verify
 	$(PY) -m privfl.attack invert --compare rep,proto,ent_rep --steps $(DEMO_STEPS)
 
-test: setup
+# the linters and the type checker, configured in pyproject.toml; they need the venv, not the data
+lint: .venv/.synced
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+# rewrite what the linters can fix themselves (then run `make lint` for what is left)
+format: .venv/.synced
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: setup lint
 	$(PY) -m pytest
 
 bench: setup

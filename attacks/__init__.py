@@ -12,5 +12,19 @@ from attacks.compare import compare_artifacts
 from attacks.runner import AttackReport, run_attack
 from attacks.threat import THREAT_MODELS, Knowledge
 
-__all__ = ["ATTACKS", "THREAT_MODELS", "Attack", "AttackNotApplicable", "AttackReport", "Knowledge", "Plan", "Reconstruction",
-           "Selection", "Target", "compare_artifacts", "create_attack", "register_attack", "run_attack"]
+__all__ = [
+    "ATTACKS",
+    "THREAT_MODELS",
+    "Attack",
+    "AttackNotApplicable",
+    "AttackReport",
+    "Knowledge",
+    "Plan",
+    "Reconstruction",
+    "Selection",
+    "Target",
+    "compare_artifacts",
+    "create_attack",
+    "register_attack",
+    "run_attack",
+]

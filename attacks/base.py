@@ -175,8 +175,10 @@ class Attack:
         missing = self.needs.missing(available(view))
         if not missing:
             return ""
-        return (f"attack {self.name} needs {', '.join(missing)}, which run {view.run_dir} does not provide "
-                "(train with capture on; for extractor knowledge the method must expose client extractors)")
+        return (
+            f"attack {self.name} needs {', '.join(missing)}, which run {view.run_dir} does not provide "
+            "(train with capture on; for extractor knowledge the method must expose client extractors)"
+        )
 
     # ------------------------------------------------------------------ planning helpers
     def candidate_kinds(self, view: AttackerView) -> list[str]:
@@ -198,8 +200,9 @@ class Attack:
         kinds = self.candidate_kinds(view)
         if selection.kind is not None:
             if selection.kind not in kinds:
-                plan.reason = str(ConfigError(
-                    f"unknown artifact kind for {self.name} in this run {selection.kind!r}; accepted: {', '.join(kinds) or '(none)'}"))
+                plan.reason = str(
+                    ConfigError(f"unknown artifact kind for {self.name} in this run {selection.kind!r}; accepted: {', '.join(kinds) or '(none)'}")
+                )
                 return plan
             kinds = [selection.kind]
         if not kinds:
@@ -226,8 +229,7 @@ class Attack:
             plan.reason = "; ".join(plan.skipped.values()) or f"nothing for {self.name} in {view.run_dir}"
         return plan
 
-    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]],
-                      selection: Selection) -> list[Target]:
+    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
         """Targets from the selected messages of one kind and round; raise :class:`AttackNotApplicable`."""
         raise NotImplementedError
 
@@ -250,12 +252,13 @@ class Attack:
     def protocol(self) -> dict[str, Any]:
         """What this attack records with every result: its options."""
         cfg = self.config
-        return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
+        # a config is an instance (never a dataclass type): the isinstance test only narrows the type for asdict
+        return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else dict(vars(cfg))}
 
 
 def configure(config: Any, options: dict[str, Any], name: str) -> Any:
     """``config`` with ``options`` replaced; an unknown option is a one-line error naming the accepted ones."""
-    if not dataclasses.is_dataclass(config):
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise ConfigError(f"attack {name} takes no options, got {', '.join(options)}")
     accepted = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(options) - accepted)
@@ -285,5 +288,16 @@ def register_attack(name: str) -> Callable[[type[Attack]], type[Attack]]:
     return add
 
 
-__all__ = ["ATTACKS", "Attack", "AttackNotApplicable", "Plan", "Progress", "Reconstruction", "Selection", "Target",
-           "configure", "create_attack", "register_attack"]
+__all__ = [
+    "ATTACKS",
+    "Attack",
+    "AttackNotApplicable",
+    "Plan",
+    "Progress",
+    "Reconstruction",
+    "Selection",
+    "Target",
+    "configure",
+    "create_attack",
+    "register_attack",
+]

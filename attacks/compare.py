@@ -17,13 +17,13 @@ import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from attacks.base import Target, create_attack
+from attacks.invert import RepresentationInversion, soft_label_text
 from attacks.runner import AttackReport
-from attacks.invert import soft_label_text
 from attacks.scoring import Candidates, candidates
 from privfl.errors import CaptureError, ConfigError
 from privfl.methods.entangle import entangle, random_draws, sample_weights
@@ -90,12 +90,13 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                 rows = truth.message_truth(rec["seq"])["indices"]
                 tensors = view.load(rec)
                 pos = [int((rows == s).nonzero()[0]) for s in samples]
-                ts = [Target("rep", rnd, client, rec, view, p, names[c], c, payload={"vector": tensors["reps"][p]})
-                      for p, c in zip(pos, classes)]
+                ts = [Target("rep", rnd, client, rec, view, p, names[c], c, payload={"vector": tensors["reps"][p]}) for p, c in zip(pos, classes)]
             else:
                 vecs = represent(samples)
-                ts = [Target("rep", rnd, client, None, view, i, names[c], c, counterfactual=True, payload={"vector": vecs[i]})
-                      for i, c in enumerate(classes)]
+                ts = [
+                    Target("rep", rnd, client, None, view, i, names[c], c, counterfactual=True, payload={"vector": vecs[i]})
+                    for i, c in enumerate(classes)
+                ]
             for t, s in zip(ts, samples):
                 cands[t.key] = Candidates(truth.images(s.view(1)), torch.ones(1), 0, "its own image")
         elif kind == "proto":
@@ -108,8 +109,9 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
             else:
                 for c in sorted(set(classes)):
                     members = pool[truth.labels[pool] == c]
-                    by_class[c] = Target("proto", rnd, client, None, view, c, names[c], c, counterfactual=True,
-                                         payload={"vector": represent(members).mean(0)})
+                    by_class[c] = Target(
+                        "proto", rnd, client, None, view, c, names[c], c, counterfactual=True, payload={"vector": represent(members).mean(0)}
+                    )
             ts = [by_class[c] for c in classes]
             for t in by_class.values():
                 members = pool[truth.labels[pool] == t.class_id]
@@ -118,8 +120,7 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
             if sent:
                 rec = sent[0]
                 tensors = view.load(rec)
-                t = Target("ent_rep", rnd, client, rec, view, 0, soft_label_text(tensors["label"], list(names)),
-                           payload={"vector": tensors["rep"]})
+                t = Target("ent_rep", rnd, client, rec, view, 0, soft_label_text(tensors["label"], list(names)), payload={"vector": tensors["rep"]})
                 cands[t.key] = candidates(truth, t)
             else:
                 reps = represent(pool)
@@ -127,8 +128,9 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                 draws = random_draws("rap", labels, num_classes, "uniform", torch_generator(seed, "compare-rap", client))
                 w = sample_weights("rap", labels, num_classes, draws)
                 vec, label = entangle(reps.double(), labels, num_classes, w)
-                t = Target("ent_rep", rnd, client, None, view, 0, soft_label_text(label, list(names)), counterfactual=True,
-                           payload={"vector": vec.float()})
+                t = Target(
+                    "ent_rep", rnd, client, None, view, 0, soft_label_text(label, list(names)), counterfactual=True, payload={"vector": vec.float()}
+                )
                 keep = w > 0
                 cands[t.key] = Candidates(truth.images(pool[keep]), (w[keep] / w[keep].sum()).float(), None, "RE-weighted images")
             ts = [t] * len(samples)
@@ -154,9 +156,9 @@ def compare_artifacts(
     """The Figure-4 comparison on one client (default: the first with a stored extractor) at one round
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
     every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b)."""
+    from attacks.metrics import score_images, summarize
     from attacks.runner import base_protocol, client_names, execute, write_report
     from attacks.scoring import Scored, score
-    from attacks.metrics import score_images, summarize
 
     run = run if isinstance(run, Run) else Run.open(run)
     kinds = list(kinds)
@@ -165,14 +167,14 @@ def compare_artifacts(
     if not ext:
         raise CaptureError(f"run {run.path} stores no client extractors: the comparison needs them")
     if client is None:
-        client = sorted({r["client"] for r in ext}, key=lambda c: int(c[6:]))[0]
+        client = cast(str, sorted({r["client"] for r in ext}, key=lambda c: int(c[6:]))[0])
     else:
         client = client_names([client])[0]
     rounds = sorted({r["round"] for r in ext if r["client"] == client})
     if not rounds:
         raise CaptureError(f"the run stores no extractor of {client}")
     rnd = rounds[-1] if round is None else round
-    attack = create_attack("invert", seed=seed, device=_device(device), **(options or {}))
+    attack = cast(RepresentationInversion, create_attack("invert", seed=seed, device=_device(device), **(options or {})))
     reason = attack.missing_knowledge(view)
     if reason:
         raise CaptureError(reason)
@@ -183,8 +185,11 @@ def compare_artifacts(
     by_key = {r.target.key: r for r in recons}
     sample_images = truth.images(p.samples)
     rows, gallery_rows, labels = [], [], {}
-    summary: dict[str, Any] = {"targets": len(unique), "seconds_total": builtins.round(seconds, 2),
-                               "seconds_per_target": builtins.round(seconds / len(unique), 3)}
+    summary: dict[str, Any] = {
+        "targets": len(unique),
+        "seconds_total": builtins.round(seconds, 2),
+        "seconds_per_target": builtins.round(seconds / len(unique), 3),
+    }
     for kind in kinds:
         images = torch.stack([by_key[t.key].image for t in p.targets[kind]])
         per = score_images(images, sample_images)  # rule (a): against the same sample
@@ -194,10 +199,19 @@ def compare_artifacts(
         labels[row_label] = [f"PSNR {v:.2f} dB" for v in per["psnr255"]]
         best = {t.key: score(by_key[t.key].image, p.candidates[t.key]) for t in {t.key: t for t in p.targets[kind]}.values()}
         for i, t in enumerate(p.targets[kind]):
-            rows.append({"kind": kind, "counterfactual": cf, "client": client, "round": rnd, "sample": int(p.samples[i]),
-                         "class": truth.dataset.class_names[p.classes[i]], "target": t.key,
-                         **{f"sample_{m}": v[i] for m, v in per.items()},
-                         **{k: v for k, v in best[t.key].items() if k.startswith("best_")}})
+            rows.append(
+                {
+                    "kind": kind,
+                    "counterfactual": cf,
+                    "client": client,
+                    "round": rnd,
+                    "sample": int(p.samples[i]),
+                    "class": truth.dataset.class_names[p.classes[i]],
+                    "target": t.key,
+                    **{f"sample_{m}": v[i] for m, v in per.items()},
+                    **{k: v for k, v in best[t.key].items() if k.startswith("best_")},
+                }
+            )
         summary.update({f"{kind}_sample_{k}": v for k, v in summarize(per).items()})
         summary[f"{kind}_counterfactual"] = cf
     order = [summary[f"{k}_sample_psnr255"] for k in kinds]
@@ -205,20 +219,32 @@ def compare_artifacts(
     if kinds == ["rep", "proto", "ent_rep"]:
         summary["paper_ordering_holds"] = bool(order[0] > order[1] > order[2])
     rule = "(a) each reconstruction against the same sample image; (b) best match in the artifact's aggregate"
-    protocol = {**base_protocol(attack, run), **attack.protocol(), "dip_levels_used": attack.levels_used(run.dataset["image_size"]),
-                "compare": kinds, "client": client, "round": rnd, "samples": p.samples.tolist(),
-                "counterfactual": {k: p.targets[k][0].counterfactual for k in kinds}, "ground_truth_rule": rule,
-                "psnr_convention": "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately"}
+    protocol = {
+        **base_protocol(attack, run),
+        **attack.protocol(),
+        "dip_levels_used": attack.levels_used(run.dataset["image_size"]),
+        "compare": kinds,
+        "client": client,
+        "round": rnd,
+        "samples": p.samples.tolist(),
+        "counterfactual": {k: p.targets[k][0].counterfactual for k in kinds},
+        "ground_truth_rule": rule,
+        "psnr_convention": "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately",
+    }
     report = AttackReport("compare", ",".join(kinds), rnd, protocol, summary, rows, recons)
     if write:
         scored = Scored(rows, summary, sample_images, gallery_rows, [truth.dataset.class_names[c] for c in p.classes], labels, rule)
         report.folder = write_report(
-            run, name or f"compare-{'-'.join(kinds)}-{client}-r{rnd}", scored, protocol,
-            title=f"Representation vs prototype vs entangled representation ({run.method})", heading=f"{client}, round {rnd}",
+            run,
+            name or f"compare-{'-'.join(kinds)}-{client}-r{rnd}",
+            scored,
+            protocol,
+            title=f"Representation vs prototype vs entangled representation ({run.method})",
+            heading=f"{client}, round {rnd}",
             gallery_title=f"{run.method}: {client}, round {rnd}: what each artifact reveals",
             reconstructions={f"{k}.{i}": by_key[t.key].images for k in kinds for i, t in enumerate(p.targets[k])},
-            text="Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored "
-                 "extractor and data.")
+            text="Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored extractor and data.",
+        )
     return report
 
 

@@ -15,7 +15,7 @@ Nothing here runs the method's training code.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,8 +48,9 @@ def previous_record(view: AttackerView, record: dict[str, Any]) -> dict[str, Any
     ctx = context_of(view, record["kind"])
     if ctx.previous_rule == "layer-replay":
         rnd, client = record["round"], record["sender"]
-        earlier = [r for r in view.messages(ctx.previous) if r["seq"] < record["seq"] and r["round"] == rnd - 1
-                   and client in (r["sender"], r["receiver"])]
+        earlier = [
+            r for r in view.messages(ctx.previous) if r["seq"] < record["seq"] and r["round"] == rnd - 1 and client in (r["sender"], r["receiver"])
+        ]
         return earlier[-1] if earlier else None
     found = _received(view, record, ctx)
     return found[-1] if found else None
@@ -58,8 +59,11 @@ def previous_record(view: AttackerView, record: dict[str, Any]) -> dict[str, Any
 def _received(view: AttackerView, record: dict[str, Any], ctx: LeakageContext) -> list[dict[str, Any]]:
     client = record["sender"]
     want = record.get("meta", {}).get("previous_round")
-    return [r for r in view.records() if r["kind"] == ctx.previous and r["receiver"] == client and r["seq"] < record["seq"]
-            and (want is None or r["round"] == want)]
+    return [
+        r
+        for r in view.records()
+        if r["kind"] == ctx.previous and r["receiver"] == client and r["seq"] < record["seq"] and (want is None or r["round"] == want)
+    ]
 
 
 def _last_received(view: AttackerView, record: dict[str, Any], ctx: LeakageContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -67,8 +71,9 @@ def _last_received(view: AttackerView, record: dict[str, Any], ctx: LeakageConte
     ``previous_round`` (a ring node may already hold the next round's Learngene) takes that round's."""
     earlier = _received(view, record, ctx)
     if not earlier:
-        raise AttackNotApplicable(f"no {ctx.previous} was sent to {record['sender']} before message {record['seq']}: "
-                                  "no previous state to attack from")
+        raise AttackNotApplicable(
+            f"no {ctx.previous} was sent to {record['sender']} before message {record['seq']}: no previous state to attack from"
+        )
     return earlier[-1], view.load(earlier[-1])
 
 
@@ -104,13 +109,14 @@ def _layer_replay(view: AttackerView, record: dict[str, Any], ctx: LeakageContex
         names = [f"{lm['name']}.weight"] + ([f"{lm['name']}.bias"] if lm["bias"] else [])
         known = {n: replayed.get(n, uploaded_prev.get(n)) for n in names}
         if all(v is not None for v in known.values()):
-            prev.update(known)
+            prev.update(cast(dict[str, torch.Tensor], known))
         else:
             unknown.append(lm["name"])
     if not prev:
         raise AttackNotApplicable(
             f"the server does not know the start-of-round state of {client}'s uploaded layers {', '.join(unknown)} in round {rnd} "
-            f"(not uploaded, nor fully sent to it, in round {rnd - 1}); no update to invert, try a later round")
+            f"(not uploaded, nor fully sent to it, in round {rnd - 1}); no update to invert, try a later round"
+        )
     sent = {lm["name"] for lm in layers}
     surrogate = {k: v for k, v in state.items() if k.rsplit(".", 1)[0] not in sent}
     base = down_prev[-1] if down_prev else ups_prev[-1]
@@ -171,7 +177,7 @@ class LeakageModule(nn.Module):
     def to_module_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Message tensors (with the declared prefix) under this module's parameter/buffer names."""
         p = self.prefix
-        return {f"body.{k[len(p):]}": v for k, v in tensors.items() if k.startswith(p)}
+        return {f"body.{k[len(p) :]}": v for k, v in tensors.items() if k.startswith(p)}
 
     def message_names(self, names: list[str]) -> list[str]:
         """This module's names that a message would carry (the body's, with the prefix)."""
@@ -190,8 +196,10 @@ def leakage_module(view: AttackerView, record: dict[str, Any], seed: int = 0) ->
         try:
             body = model.get_submodule(ctx.module) if ctx.module else model
         except AttributeError:
-            raise AttackNotApplicable(f"{view.info['method']} declares module {ctx.module!r} for {record['kind']}, which its "
-                                      f"client model {type(model).__name__} does not have") from None
+            raise AttackNotApplicable(
+                f"{view.info['method']} declares module {ctx.module!r} for {record['kind']}, which its "
+                f"client model {type(model).__name__} does not have"
+            ) from None
         ds = view.dataset
         example = torch.zeros(2, ds["channels"], ds["image_size"], ds["image_size"])
         return LeakageModule(body, ctx, int(ds["num_classes"]), example).eval()

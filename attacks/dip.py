@@ -81,20 +81,27 @@ class _Level(nn.Module):
         act = lambda: nn.LeakyReLU(cfg.leaky_slope, inplace=True)  # noqa: E731
         down, up, skip = cfg.channels_down[i], cfg.channels_up[i], cfg.channels_skip[i]
         kd, ku = cfg.filters_down[i], cfg.filters_up[i]
-        self.skip = (
-            nn.Sequential(nn.Conv2d(g * in_ch, g * skip, 1, groups=g), nn.BatchNorm2d(g * skip), act()) if skip else None
-        )
+        self.skip = nn.Sequential(nn.Conv2d(g * in_ch, g * skip, 1, groups=g), nn.BatchNorm2d(g * skip), act()) if skip else None
         self.down = nn.Sequential(
-            nn.Conv2d(g * in_ch, g * down, kd, padding=kd // 2, groups=g), nn.AvgPool2d(2), nn.BatchNorm2d(g * down), act(),
-            nn.Conv2d(g * down, g * down, kd, padding=kd // 2, groups=g), nn.BatchNorm2d(g * down), act(),
+            nn.Conv2d(g * in_ch, g * down, kd, padding=kd // 2, groups=g),
+            nn.AvgPool2d(2),
+            nn.BatchNorm2d(g * down),
+            act(),
+            nn.Conv2d(g * down, g * down, kd, padding=kd // 2, groups=g),
+            nn.BatchNorm2d(g * down),
+            act(),
         )
         self.deeper = _Level(cfg, i + 1, depth, down, groups) if i + 1 < depth else None
         deeper_out = cfg.channels_up[i + 1] if i + 1 < depth else down
         self.concat = _GroupConcat(groups)
         self.up = nn.Sequential(
             nn.BatchNorm2d(g * (skip + deeper_out)),
-            nn.Conv2d(g * (skip + deeper_out), g * up, ku, padding=ku // 2, groups=g), nn.BatchNorm2d(g * up), act(),
-            nn.Conv2d(g * up, g * up, 1, groups=g), nn.BatchNorm2d(g * up), act(),
+            nn.Conv2d(g * (skip + deeper_out), g * up, ku, padding=ku // 2, groups=g),
+            nn.BatchNorm2d(g * up),
+            act(),
+            nn.Conv2d(g * up, g * up, 1, groups=g),
+            nn.BatchNorm2d(g * up),
+            act(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

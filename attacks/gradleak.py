@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +103,9 @@ def batch_labels(grads: dict[str, torch.Tensor], last_weight: str, batch_size: i
     return torch.argsort(rows)[:batch_size].sort().values
 
 
-def model_gradient(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y_soft: torch.Tensor,
-                   local_steps: int = 1, local_lr: float = 0.1) -> dict[str, torch.Tensor]:
+def model_gradient(
+    model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, y_soft: torch.Tensor, local_steps: int = 1, local_lr: float = 0.1
+) -> dict[str, torch.Tensor]:
     """Gradient of the soft-label CE at ``params`` (differentiable in x and y), or for
     ``local_steps`` > 1 the unrolled update ``(params_0 - params_T) / local_lr``."""
     names = list(params)
@@ -122,13 +123,18 @@ def model_gradient(model: nn.Module, params: dict[str, torch.Tensor], x: torch.T
     return {n: (params[n] - current[n]) / local_lr for n in names}
 
 
+def _sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The builtin ``sum`` (0 + t1 + t2 + ...), typed as the tensor it is for the non-empty sums below."""
+    return cast(torch.Tensor, sum(terms))
+
+
 def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cosine: bool) -> torch.Tensor:
     if cosine:
-        dot = sum((a[k] * b[k]).sum() for k in b)
-        na = sum(a[k].pow(2).sum() for k in b).sqrt()
-        nb = sum(b[k].pow(2).sum() for k in b).sqrt()
+        dot = _sum((a[k] * b[k]).sum() for k in b)
+        na = _sum(a[k].pow(2).sum() for k in b).sqrt()
+        nb = _sum(b[k].pow(2).sum() for k in b).sqrt()
         return 1 - dot / (na * nb + 1e-12)
-    return sum((a[k] - b[k]).pow(2).sum() for k in b)
+    return _sum((a[k] - b[k]).pow(2).sum() for k in b)
 
 
 def _tv(x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +190,16 @@ def leak(
         joint = labels is None
         y_logit = torch.randn((batch_size, num_classes), generator=gen).to(device).contiguous().requires_grad_(True)
         variables = [x, y_logit] if joint else [x]
-        y_fixed = None if joint else F.one_hot(labels.to(device), num_classes).float()
+        y_fixed = None if labels is None else F.one_hot(labels.to(device), num_classes).float()  # None iff joint
+        local_steps = cast(int, cfg.local_steps)  # an attack on a run resolves "auto" before calling leak()
 
+        # objective and closure are called only within this restart, so binding its x, y_logit and opt late is intended
         def objective() -> torch.Tensor:
-            y = F.softmax(y_logit, dim=1) if joint else y_fixed
-            dummy = model_gradient(model, params, x, y, cfg.local_steps, cfg.local_lr)
+            y = F.softmax(y_logit, dim=1) if y_fixed is None else y_fixed  # noqa: B023
+            dummy = model_gradient(model, params, x, y, local_steps, cfg.local_lr)  # noqa: B023
             loss = _distance(dummy, target, cosine=cfg.variant == "ig")
             if cfg.tv_weight > 0:
-                loss = loss + cfg.tv_weight * _tv(x)
+                loss = loss + cfg.tv_weight * _tv(x)  # noqa: B023
             return loss
 
         snaps: list[tuple[int, torch.Tensor]] = []
@@ -200,7 +208,7 @@ def leak(
             opt = torch.optim.LBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
 
             def closure() -> torch.Tensor:
-                opt.zero_grad()
+                opt.zero_grad()  # noqa: B023
                 loss = objective()
                 loss.backward()
                 return loss
@@ -221,15 +229,16 @@ def leak(
                 if step % every == 0 or step == cfg.steps - 1:
                     snaps.append((step, x.detach().cpu().clone()))
         else:  # ig
-            opt = torch.optim.Adam(variables, lr=cfg.lr)
-            sched = torch.optim.lr_scheduler.MultiStepLR(opt, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
+            adam = torch.optim.Adam(variables, lr=cfg.lr)
+            sched = torch.optim.lr_scheduler.MultiStepLR(adam, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
             for step in range(cfg.steps):
-                opt.zero_grad()
+                adam.zero_grad()
                 loss = objective()
                 loss.backward()
                 for v in variables:
+                    assert v.grad is not None  # every variable is in the graph of the loss
                     v.grad.sign_()
-                opt.step()
+                adam.step()
                 sched.step()
                 if box is not None:
                     with torch.no_grad():
@@ -240,10 +249,11 @@ def leak(
                     snaps.append((step, x.detach().cpu().clone()))
         with torch.enable_grad():
             final = float(objective().detach())
-        recovered = (F.softmax(y_logit, 1).argmax(1) if joint else labels).detach().cpu()
+        recovered = (F.softmax(y_logit, 1).argmax(1) if labels is None else labels).detach().cpu()
         result = LeakResult(x.detach().cpu(), recovered, final, 0.0, snaps, "joint (DLG)" if joint else label_source)
         if best is None or final < best.loss:
             best = result
+    assert best is not None  # at least one restart ran
     best.seconds = time.perf_counter() - start
     return best
 
@@ -306,8 +316,10 @@ class GradientLeakage(Attack):
             if not names_by_client[client] & set(prev):
                 ctx = context_of(view, kind)
                 where = f"module {ctx.module!r}" if ctx.module else "the whole client model"
-                reasons.append(f"the previous state of {kind} message {rec['seq']} shares no tensor names with {where} that "
-                               f"{view.info['method']} declares for it (prefix {ctx.prefix!r}): nothing to attack but random weights")
+                reasons.append(
+                    f"the previous state of {kind} message {rec['seq']} shares no tensor names with {where} that "
+                    f"{view.info['method']} declares for it (prefix {ctx.prefix!r}): nothing to attack but random weights"
+                )
                 continue
             targets.append(Target(kind, rnd, client, rec, view))
         if not targets:
@@ -330,8 +342,9 @@ class GradientLeakage(Attack):
             return int(tau) if isinstance(tau, int) and tau > 0 else max(1, cfg["local_epochs"] * -(-n // cfg["batch_size"]))
         return int(steps)
 
-    def observation(self, view: AttackerView, record: dict, prev: dict[str, torch.Tensor],
-                    local_steps: int) -> tuple[dict[str, torch.Tensor], int, float, str]:
+    def observation(
+        self, view: AttackerView, record: dict, prev: dict[str, torch.Tensor], local_steps: int
+    ) -> tuple[dict[str, torch.Tensor], int, float, str]:
         """(the gradient-like tensors to match, the batch they stand for, the lr, how they were derived)."""
         tensors = view.load(record)
         meta, cfg = record.get("meta", {}), view.config
@@ -352,13 +365,22 @@ class GradientLeakage(Attack):
             return {k: v * (scale / lr) for k, v in floats.items()}, n, lr, "update d * a / (lr * tau) (mean local gradient)"
         kind = record["kind"]
         if local_steps > 1:
-            return ({k: (prev[k].float() - v) / lr for k, v in floats.items() if k in prev}, n, lr,
-                    f"(previous {kind} - {kind}) / lr, matched by {local_steps} unrolled steps")
-        return ({k: (prev[k].float() - v) / (lr * tau) for k, v in floats.items() if k in prev}, n, lr,
-                f"(previous {kind} - {kind}) / (lr * {tau} local steps)")
+            return (
+                {k: (prev[k].float() - v) / lr for k, v in floats.items() if k in prev},
+                n,
+                lr,
+                f"(previous {kind} - {kind}) / lr, matched by {local_steps} unrolled steps",
+            )
+        return (
+            {k: (prev[k].float() - v) / (lr * tau) for k, v in floats.items() if k in prev},
+            n,
+            lr,
+            f"(previous {kind} - {kind}) / (lr * {tau} local steps)",
+        )
 
     def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
         view, record = target.view, target.record
+        assert record is not None  # plan_messages makes targets of captured messages only
         _, prev = previous_state(view, record)
         model = leakage_module(view, record, self.seed)
         own = model.state_dict()
@@ -376,15 +398,35 @@ class GradientLeakage(Attack):
         box = ((0 - mean) / std, (1 - mean) / std)
         cfg = dataclasses.replace(self.config, local_steps=local_steps, local_lr=lr)
         hook = (lambda step, loss: progress(target.client, step, cfg.steps, loss)) if progress else None
-        result = leak(model, observed, (ds["channels"], ds["image_size"], ds["image_size"]), ds["num_classes"], cfg,
-                      batch_size=batch, box=box, seed=derive_seed(self.seed, self.variant, record["seq"]), device=self.device,
-                      progress=hook)
+        result = leak(
+            model,
+            observed,
+            (ds["channels"], ds["image_size"], ds["image_size"]),
+            ds["num_classes"],
+            cfg,
+            batch_size=batch,
+            box=box,
+            seed=derive_seed(self.seed, self.variant, record["seq"]),
+            device=self.device,
+            progress=hook,
+        )
         to01 = lambda x: (x * std + mean).clamp(0, 1)  # noqa: E731
         ctx = context_of(view, record["kind"])
-        return Reconstruction(target, to01(result.images), result.loss, result.seconds, result.labels,
-                              [(s, to01(x)) for s, x in result.snapshots],
-                              {"label_source": result.label_source, "batch_size": batch, "target_note": note,
-                               "local_steps": local_steps, **({"approximation": ctx.note} if ctx.note else {})})
+        return Reconstruction(
+            target,
+            to01(result.images),
+            result.loss,
+            result.seconds,
+            result.labels,
+            [(s, to01(x)) for s, x in result.snapshots],
+            {
+                "label_source": result.label_source,
+                "batch_size": batch,
+                "target_note": note,
+                "local_steps": local_steps,
+                **({"approximation": ctx.note} if ctx.note else {}),
+            },
+        )
 
     def protocol(self) -> dict:
         return {"config": self.config.as_dict()}
@@ -411,5 +453,15 @@ class InvertingGradients(GradientLeakage):
     paper = "Geiping et al., Inverting Gradients, NeurIPS 2020"
 
 
-__all__ = ["DLG", "IDLG", "GradLeakConfig", "GradientLeakage", "InvertingGradients", "LeakResult", "batch_labels", "idlg_label",
-           "leak", "model_gradient"]
+__all__ = [
+    "DLG",
+    "IDLG",
+    "GradLeakConfig",
+    "GradientLeakage",
+    "InvertingGradients",
+    "LeakResult",
+    "batch_labels",
+    "idlg_label",
+    "leak",
+    "model_gradient",
+]

@@ -55,8 +55,7 @@ class RepresentationInversion(Attack):
     paper = "Ulyanov et al., Deep Image Prior, CVPR 2018; used by FedRE [000] Q3 / [001] Q2"
     Config = InversionConfig
 
-    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]],
-                      selection: Selection) -> list[Target]:
+    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
         """One target per row of the kind's vectors (at most ``selection.max_targets`` per message), for
         the clients whose extractor of that round the run stores."""
         spec = KINDS.get(kind)
@@ -74,7 +73,7 @@ class RepresentationInversion(Attack):
         if not targets:
             try:
                 view.extractor(missing[0], rnd)  # raises with the list of what is stored
-            except Exception as exc:  # noqa: BLE001  (its message is the reason)
+            except Exception as exc:
                 raise AttackNotApplicable(str(exc)) from None
         return targets
 
@@ -89,6 +88,7 @@ class RepresentationInversion(Attack):
         if "vector" in target.payload:
             return target.payload["vector"]
         spec = KINDS.get(target.kind)
+        assert target.record is not None and spec.vectors is not None  # a captured message of a kind with vectors
         tensors = target.view.load(target.record)
         names = target.view.dataset["class_names"]
         vectors = tensors[spec.vectors]
@@ -127,14 +127,17 @@ class RepresentationInversion(Attack):
                 result = invert(
                     model.represent,
                     torch.stack([self.resolve(t).float() for t in chunk]),
-                    shape, ds["mean"], ds["std"], cfg,
+                    shape,
+                    ds["mean"],
+                    ds["std"],
+                    cfg,
                     [derive_seed(self.seed, "dip", t.key) for t in chunk],
-                    device=self.device, progress=hook,
+                    device=self.device,
+                    progress=hook,
                 )
                 for i, t in enumerate(chunk):
                     loss = float(result.feature_loss[i])
-                    out.append(Reconstruction(t, result.images[i : i + 1], loss, result.seconds / len(chunk),
-                                              notes={"feature_mse": loss}))
+                    out.append(Reconstruction(t, result.images[i : i + 1], loss, result.seconds / len(chunk), notes={"feature_mse": loss}))
         return out
 
     def protocol(self) -> dict[str, Any]:

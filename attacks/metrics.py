@@ -25,6 +25,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -45,8 +46,15 @@ _BACKBONES: dict[str, tuple[str, str, int]] = {
     "vgg": ("vgg16", "vgg16-397923af.pth", 16),
     "squeeze": ("squeezenet1_1", "squeezenet1_1-b8a52dc0.pth", 17),
 }
-_NET_ALIASES = {"alex": "alex", "alexnet": "alex", "vgg": "vgg", "vgg16": "vgg",
-                "squeeze": "squeeze", "squeezenet": "squeeze", "squeezenet1_1": "squeeze"}
+_NET_ALIASES = {
+    "alex": "alex",
+    "alexnet": "alex",
+    "vgg": "vgg",
+    "vgg16": "vgg",
+    "squeeze": "squeeze",
+    "squeezenet": "squeeze",
+    "squeezenet1_1": "squeeze",
+}
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -131,8 +139,7 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
         if a.shape[1] == 1:
             out.append(structural_similarity(a[i, 0], b[i, 0], data_range=1.0, win_size=win))
         else:
-            out.append(structural_similarity(a[i].transpose(1, 2, 0), b[i].transpose(1, 2, 0),
-                                             data_range=1.0, win_size=win, channel_axis=-1))
+            out.append(structural_similarity(a[i].transpose(1, 2, 0), b[i].transpose(1, 2, 0), data_range=1.0, win_size=win, channel_axis=-1))
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -190,7 +197,8 @@ def _locate(net: str, weights_dir: str | os.PathLike | None) -> tuple[Path | Non
         f"LPIPS unavailable: ImageNet {arch} backbone weights {fname} not found in {looked}. "
         f"Copy {fname} (torchvision's {arch} ImageNet weights, e.g. from a machine with network where "
         f"torchvision.models.{arch}(weights='DEFAULT') downloaded it to ~/.cache/torch/hub/checkpoints) "
-        f"into one of these folders, or set ${LPIPS_WEIGHTS_ENV} (or pass weights_dir) to the folder holding it.")
+        f"into one of these folders, or set ${LPIPS_WEIGHTS_ENV} (or pass weights_dir) to the folder holding it."
+    )
 
 
 def lpips_status(weights_dir: str | None = None, net: str = "alex") -> tuple[bool, str]:
@@ -218,14 +226,15 @@ def _load_backbone(model: torch.nn.Module, path: Path, arch: str) -> None:
         raise ConfigError(f"cannot read LPIPS backbone weights {path}: {e}") from None
     if not isinstance(state, dict):
         raise ConfigError(f"{path} is not a state dict of torchvision {arch}")
-    slice_of = {idx: sname for sname, sl in model.net.named_children() for idx, _ in sl.named_children()}
+    net = cast(torch.nn.Module, model.net)  # lpips.LPIPS.net, the backbone
+    slice_of = {idx: sname for sname, sl in net.named_children() for idx, _ in sl.named_children()}
     mapped = {}
     for key, value in state.items():
         parts = key.split(".", 2)
         if len(parts) == 3 and parts[0] == "features" and parts[1] in slice_of:
             mapped[f"{slice_of[parts[1]]}.{parts[1]}.{parts[2]}"] = value
     try:
-        model.net.load_state_dict(mapped, strict=True)
+        net.load_state_dict(mapped, strict=True)
     except RuntimeError as e:
         raise ConfigError(f"{path} does not match torchvision {arch}: {str(e).splitlines()[0]}") from None
 
@@ -266,7 +275,7 @@ class LPIPSMetric:
         self.model.to(device)
         out = []
         for i in range(0, x.shape[0], batch_size):
-            a, b = (self._prepare(t[i:i + batch_size].to(device)) for t in (x, y))
+            a, b = (self._prepare(t[i : i + batch_size].to(device)) for t in (x, y))
             out.append(self.model(a, b).flatten().double().cpu())
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
@@ -302,8 +311,9 @@ def lpips(x: Tensor, y: Tensor, net: str = "alex", weights_dir: str | None = Non
 
 
 # ------------------------------------------------------------------------------------ aggregates
-def score_images(recon: Tensor, truth: Tensor, lpips_net: str = "alex",
-                 weights_dir: str | None = None, with_lpips: bool = True) -> dict[str, list[float]]:
+def score_images(
+    recon: Tensor, truth: Tensor, lpips_net: str = "alex", weights_dir: str | None = None, with_lpips: bool = True
+) -> dict[str, list[float]]:
     """Per-image mse, psnr, mse255, psnr255, ssim and (when the weights exist) lpips, as lists."""
     recon, truth = _pair(recon, truth)
     m = mse(recon, truth)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import html
 import io
@@ -42,10 +43,16 @@ def _to_numpy_images(t: Tensor, name: str) -> np.ndarray:
     return a[:, 0] if a.shape[1] == 1 else a.transpose(0, 2, 3, 1)
 
 
-def save_gallery(path: str | os.PathLike, truth: Tensor | None, rows: Sequence[tuple[str, Tensor]],
-                 captions: Sequence[str] | None = None, title: str = "",
-                 per_image_labels: Mapping[str, Sequence[str]] | None = None,
-                 cell_inches: float = 1.1, dpi: int = 100) -> Path:
+def save_gallery(
+    path: str | os.PathLike,
+    truth: Tensor | None,
+    rows: Sequence[tuple[str, Tensor]],
+    captions: Sequence[str] | None = None,
+    title: str = "",
+    per_image_labels: Mapping[str, Sequence[str]] | None = None,
+    cell_inches: float = 1.1,
+    dpi: int = 100,
+) -> Path:
     """Save a PNG grid: ground truth row (if given), then one row per ``(label, images)`` set.
 
     ``captions`` label the columns at the top; ``per_image_labels[row label]`` (``"ground truth"``
@@ -63,7 +70,7 @@ def save_gallery(path: str | os.PathLike, truth: Tensor | None, rows: Sequence[t
     if not all_rows:
         raise ValueError("save_gallery needs ground truth or at least one row of reconstructions")
     labels = dict(per_image_labels or {})
-    ncols = max(max(a.shape[0] for _, a in all_rows), len(captions or ()), 1)
+    ncols = max(*(a.shape[0] for _, a in all_rows), len(captions or ()), 1)
     h, w = all_rows[0][1].shape[1:3]
     aspect = h / w
 
@@ -85,8 +92,7 @@ def save_gallery(path: str | os.PathLike, truth: Tensor | None, rows: Sequence[t
         fig.text(0.5, 1 - 0.2 / fig_h, title, ha="center", va="center", fontsize=10, weight="bold")
     for r, (row_label, imgs) in enumerate(all_rows):
         y0 = fig_h - top - r * row_h - cell_h  # bottom of the image cells of this row (inches)
-        fig.text((left - 0.1) / fig_w, (y0 + cell_h / 2) / fig_h, textwrap.fill(row_label, 20),
-                 ha="right", va="center", fontsize=fs)
+        fig.text((left - 0.1) / fig_w, (y0 + cell_h / 2) / fig_h, textwrap.fill(row_label, 20), ha="right", va="center", fontsize=fs)
         row_caps = list(labels.get(row_label) or [])
         for c in range(imgs.shape[0]):
             x0 = left + c * (cell_w + pad)
@@ -97,12 +103,10 @@ def save_gallery(path: str | os.PathLike, truth: Tensor | None, rows: Sequence[t
             else:
                 ax.imshow(imgs[c], interpolation="nearest")
             if c < len(row_caps) and row_caps[c]:
-                fig.text((x0 + cell_w / 2) / fig_w, (y0 - 0.03) / fig_h, str(row_caps[c]),
-                         ha="center", va="top", fontsize=fs - 1)
+                fig.text((x0 + cell_w / 2) / fig_w, (y0 - 0.03) / fig_h, str(row_caps[c]), ha="center", va="top", fontsize=fs - 1)
     for c, cap in enumerate(captions or ()):
         x0 = left + c * (cell_w + pad)
-        fig.text((x0 + cell_w / 2) / fig_w, (fig_h - top + 0.05) / fig_h, str(cap),
-                 ha="center", va="bottom", fontsize=fs)
+        fig.text((x0 + cell_w / 2) / fig_w, (fig_h - top + 0.05) / fig_h, str(cap), ha="center", va="bottom", fontsize=fs)
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
@@ -164,8 +168,9 @@ def _csv_text(header: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_metrics(folder: str | os.PathLike, per_image_rows: Sequence[Mapping[str, Any]],
-                  summary: Mapping[str, Any], protocol: Mapping[str, Any]) -> tuple[Path, Path, Path]:
+def write_metrics(
+    folder: str | os.PathLike, per_image_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], protocol: Mapping[str, Any]
+) -> tuple[Path, Path, Path]:
     """Write ``metrics.json``, ``metrics.csv`` (one row per image) and ``summary.csv`` into ``folder``.
 
     CSV columns are the union of the rows' keys in order of first appearance; missing values are
@@ -224,10 +229,8 @@ def _href(folder: Path, p: str | os.PathLike) -> str:
     """Link target relative to the page's folder, percent-encoded and HTML-escaped."""
     path = Path(p)
     if path.is_absolute():
-        try:
+        with contextlib.suppress(ValueError):  # outside the folder: keep absolute (still works locally)
             path = path.resolve().relative_to(folder.resolve())
-        except ValueError:
-            pass  # outside the folder: keep absolute (still works locally)
     return html.escape(quote(path.as_posix(), safe="/"), quote=True)
 
 
@@ -246,8 +249,7 @@ def _summary_table(summary: Mapping[str, Any]) -> str:
     body = ""
     for k in bases + orphan_std:
         std = f"<td class=num>{_esc(flat[k + '_std'])}</td>" if k + "_std" in flat else "<td></td>"
-        body += (f"<tr><th>{html.escape(k)}</th><td class=num>{_esc(flat[k])}</td>"
-                 + (std if has_std else "") + "</tr>")
+        body += f"<tr><th>{html.escape(k)}</th><td class=num>{_esc(flat[k])}</td>" + (std if has_std else "") + "</tr>"
     return f"<table>{head}{body}</table>"
 
 
@@ -262,13 +264,15 @@ def write_html(folder: str | os.PathLike, title: str, sections: Sequence[Mapping
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
     present = [n for n in _METRIC_FILES if (folder / n).is_file()]
     if present:
-        parts.append('<ul class="links">' + "".join(
-            f'<li><a href="{_href(folder, n)}">{html.escape(n)}</a></li>' for n in present) + "</ul>")
+        parts.append('<ul class="links">' + "".join(f'<li><a href="{_href(folder, n)}">{html.escape(n)}</a></li>' for n in present) + "</ul>")
     for i, sec in enumerate(sections):
         parts.append("<section>")
         parts.append(f"<h2>{html.escape(str(sec.get('heading', f'Section {i + 1}')))}</h2>")
@@ -286,9 +290,11 @@ def write_html(folder: str | os.PathLike, title: str, sections: Sequence[Mapping
             parts.append("<h3>Summary</h3>" + _summary_table(sec["summary"]))
         links = sec.get("links") or {}
         if links:
-            parts.append('<ul class="links">' + "".join(
-                f'<li><a href="{_href(folder, p)}">{html.escape(str(label))}</a></li>'
-                for label, p in links.items()) + "</ul>")
+            parts.append(
+                '<ul class="links">'
+                + "".join(f'<li><a href="{_href(folder, p)}">{html.escape(str(label))}</a></li>' for label, p in links.items())
+                + "</ul>"
+            )
         parts.append("</section>")
     parts.append("</body></html>\n")
     out = folder / "index.html"

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from safetensors.torch import save_file
@@ -64,8 +64,13 @@ def execute(attack: Attack, targets: Sequence[Target], *, progress: bool = False
     from tqdm.auto import tqdm
 
     attack.prepare(targets)
-    bar = tqdm(total=attack.steps_for(targets), desc=desc or f"{attack.name} on {len(targets)} target(s)", unit="step",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=attack.steps_for(targets),
+        desc=desc or f"{attack.name} on {len(targets)} target(s)",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
 
     def hook(label: str, step: int, steps: int, loss: float) -> None:
         bar.update(1)
@@ -89,10 +94,19 @@ def lpips_note() -> str:
 
 def base_protocol(attack: Attack, run: Run) -> dict[str, Any]:
     """What every result records: the attack, its paper, threat model and knowledge, the run, seed, device."""
-    return {"attack": attack.name, "paper": attack.paper, "run": str(run.path), "method": run.method,
-            "threat_model": attack.threat_model, "threat_model_text": attack.threat_text(),
-            "knowledge_used": attack.needs.granted(), "seed": attack.seed, "device": str(attack.device),
-            "psnr_convention": "per image, then averaged", "lpips": lpips_note()}
+    return {
+        "attack": attack.name,
+        "paper": attack.paper,
+        "run": str(run.path),
+        "method": run.method,
+        "threat_model": attack.threat_model,
+        "threat_model_text": attack.threat_text(),
+        "knowledge_used": attack.needs.granted(),
+        "seed": attack.seed,
+        "device": str(attack.device),
+        "psnr_convention": "per image, then averaged",
+        "lpips": lpips_note(),
+    }
 
 
 def run_attack(
@@ -139,12 +153,18 @@ def run_attack(
     scorer = scorer_for(family)
     title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
     scored = scorer.score(recons, truth, title, seconds)
-    protocol = {**base_protocol(attack, run), **attack.protocol(), "artifact": kind, "family": str(family), "round": rnd,
-                "clients": sorted({t.client for t in targets}, key=_client_order), "ground_truth_rule": scored.rule}
+    protocol = {
+        **base_protocol(attack, run),
+        **attack.protocol(),
+        "artifact": kind,
+        "family": str(family),
+        "round": rnd,
+        "clients": sorted({t.client for t in targets}, key=_client_order),
+        "ground_truth_rule": scored.rule,
+    }
     if hasattr(attack, "levels_used"):
         protocol["dip_levels_used"] = attack.levels_used(run.dataset["image_size"])
-        protocol["psnr_convention"] = ("per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) "
-                                       "averaged separately")
+        protocol["psnr_convention"] = "per image, then averaged; MSE on [0,1] and on 0-255 (FedRE papers' scale) averaged separately"
     notes = {k: v for r in recons for k, v in r.notes.items() if k in ("target_note", "approximation")}
     if notes.get("target_note"):
         protocol["target"] = notes["target_note"]
@@ -155,15 +175,30 @@ def run_attack(
     if write:
         heading = f"{kind} r{rnd}"
         report.folder = write_report(
-            run, name or f"{attack.name}-{kind}-r{rnd}", scored, protocol,
-            title=f"{attack.name} on {kind}: {run.method} round {rnd}", heading=heading,
+            run,
+            name or f"{attack.name}-{kind}-r{rnd}",
+            scored,
+            protocol,
+            title=f"{attack.name} on {kind}: {run.method} round {rnd}",
+            heading=heading,
             gallery_title=f"{attack.name} on {kind} ({run.method}, round {rnd})",
-            reconstructions={r.target.key.replace("/", "."): r.images for r in recons})
+            reconstructions={r.target.key.replace("/", "."): r.images for r in recons},
+        )
     return report
 
 
-def write_report(run: Run, name: str, scored: Scored, protocol: dict[str, Any], *, title: str, heading: str,
-                 gallery_title: str, reconstructions: dict[str, torch.Tensor], text: str = "") -> Path:
+def write_report(
+    run: Run,
+    name: str,
+    scored: Scored,
+    protocol: dict[str, Any],
+    *,
+    title: str,
+    heading: str,
+    gallery_title: str,
+    reconstructions: dict[str, torch.Tensor],
+    text: str = "",
+) -> Path:
     """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
     ``RUN/attacks/<name>`` whole."""
     from attacks.report import save_gallery, write_html, write_metrics
@@ -172,8 +207,14 @@ def write_report(run: Run, name: str, scored: Scored, protocol: dict[str, Any], 
     final = run.path / "attacks" / name
     final.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
-    save_gallery(folder / "gallery.png", scored.truth_images, scored.gallery_rows, captions=scored.captions, title=gallery_title,
-                 per_image_labels=scored.labels)
+    save_gallery(
+        folder / "gallery.png",
+        scored.truth_images,
+        scored.gallery_rows,
+        captions=scored.captions,
+        title=gallery_title,
+        per_image_labels=scored.labels,
+    )
     save_file({k: v.contiguous() for k, v in reconstructions.items()}, str(folder / "reconstructions.safetensors"))
     write_metrics(folder, scored.rows, scored.summary, protocol)
     section = {"heading": heading, "protocol": protocol, "images": "gallery.png", "summary": scored.summary}
@@ -189,6 +230,10 @@ def check_output_name(name: str) -> None:
         raise ConfigError(f"output name {name!r} must be a plain folder name (no '/', not starting with '.')")
 
 
+@overload
+def client_names(clients: Sequence[str | int]) -> list[str]: ...
+@overload
+def client_names(clients: None) -> None: ...
 def client_names(clients: Sequence[str | int] | None) -> list[str] | None:
     """``[0, "3", "client5"]`` -> ``["client0", "client3", "client5"]``."""
     if clients is None:

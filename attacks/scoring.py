@@ -18,7 +18,7 @@ rows, a summary, and what the gallery shows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,7 @@ def candidates(truth: GroundTruth, target: Target) -> Candidates:
     seq = target.message_seq
     t = truth.message_truth(seq) if seq is not None and truth.has_message(seq) else {}
     if family is Family.PER_SAMPLE_REPRESENTATION:
+        assert target.row is not None  # a per-sample target is one row of its message
         idx = t["indices"][target.row : target.row + 1]
         return Candidates(truth.images(idx), torch.ones(1), 0, "its own image")
     if "weights" in t:
@@ -110,27 +111,52 @@ class RepresentationScorer:
     rule = "per-sample: its own image; aggregates: best match and (weighted) mean over the aggregate's images"
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
-        rows, truth_images, captions, labels = [], [], [], []
+        rows: list[dict[str, Any]] = []
+        truth_images: list[torch.Tensor] = []
+        captions: list[str] = []
+        labels: list[str] = []
         for r in recons:
             cand = candidates(truth, r.target)
             s = score(r.image, cand)
             h = headline(s)
-            truth_images.append(cand.images[cand.exact if h == "exact" else s["best_index"]])
+            truth_images.append(cand.images[cast(int, cand.exact if h == "exact" else s["best_index"])])
             captions.append(f"{r.target.client} {r.target.label[:18]}")
             labels.append(f"PSNR {s[h + '_psnr255']:.2f} dB")
             t = r.target
-            rows.append({"target": t.key, "kind": t.kind, "client": t.client, "round": t.round, "label": t.label,
-                         "counterfactual": t.counterfactual, "ground_truth": cand.description,
-                         "feature_mse": r.loss, "seconds": r.seconds, **s, "headline": h})
-        summary: dict[str, Any] = {"targets": len(rows), "seconds_total": round(seconds, 2),
-                                   "seconds_per_target": round(seconds / max(len(rows), 1), 3)}
+            rows.append(
+                {
+                    "target": t.key,
+                    "kind": t.kind,
+                    "client": t.client,
+                    "round": t.round,
+                    "label": t.label,
+                    "counterfactual": t.counterfactual,
+                    "ground_truth": cand.description,
+                    "feature_mse": r.loss,
+                    "seconds": r.seconds,
+                    **s,
+                    "headline": h,
+                }
+            )
+        summary: dict[str, Any] = {
+            "targets": len(rows),
+            "seconds_total": round(seconds, 2),
+            "seconds_per_target": round(seconds / max(len(rows), 1), 3),
+        }
         for prefix in ("exact", "best", "mean"):
-            per = {m: [row[f"{prefix}_{m}"] for row in rows if f"{prefix}_{m}" in row]
-                   for m in ("psnr255", "mse255", "psnr", "mse", "ssim", "lpips")}
+            per = {m: [row[f"{prefix}_{m}"] for row in rows if f"{prefix}_{m}" in row] for m in ("psnr255", "mse255", "psnr", "mse", "ssim", "lpips")}
             summary.update({f"{prefix}_{k}": v for k, v in summarize({m: v for m, v in per.items() if v}).items()})
         images = torch.stack([r.image for r in recons])
-        return Scored(rows, summary, torch.stack(truth_images), [(title, images)], captions, {title: labels}, self.rule,
-                      "exact_psnr255" if "exact_psnr255" in summary else "best_psnr255")
+        return Scored(
+            rows,
+            summary,
+            torch.stack(truth_images),
+            [(title, images)],
+            captions,
+            {title: labels},
+            self.rule,
+            "exact_psnr255" if "exact_psnr255" in summary else "best_psnr255",
+        )
 
 
 class BatchScorer:
@@ -139,28 +165,46 @@ class BatchScorer:
     rule = "hungarian matching over an exact batch; otherwise each image's best match in the message's samples"
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
-        rows, truth_row, final_row, snap_rows, labels = [], [], [], {}, []
+        rows: list[dict[str, Any]] = []
+        truth_row: list[torch.Tensor] = []
+        final_row: list[torch.Tensor] = []
+        snap_rows: dict[int, list[torch.Tensor]] = {}
+        labels: list[str] = []
         for r in recons:
-            t = truth.message_truth(r.target.message_seq)
+            seq = r.target.message_seq
+            assert seq is not None  # gradients and parameters are attacked in captured messages only
+            t = truth.message_truth(seq)
             cand = truth.images(t["indices"])
             batch = int(r.notes.get("batch_size", len(r.images)))
             exact = len(t["indices"]) == batch
             pairs = hungarian_match(r.images, cand) if exact else [(i, best_match(r.images[i], cand)[0]) for i in range(len(r.images))]
             for i, j in pairs:
                 s = {k: v[0] for k, v in score_images(r.images[i : i + 1], cand[j : j + 1]).items()}
-                rows.append({"client": r.target.client, "round": r.target.round, "message_seq": r.target.message_seq, "image": i,
-                             "matched_truth": int(t["indices"][j]),
-                             "matching": "hungarian over the exact batch" if exact else "best match in the client's data",
-                             "label_recovered": int(r.labels[i]) if r.labels is not None else None,
-                             "label_source": r.notes.get("label_source", ""), "seconds": r.seconds / len(pairs), **s})
+                rows.append(
+                    {
+                        "client": r.target.client,
+                        "round": r.target.round,
+                        "message_seq": r.target.message_seq,
+                        "image": i,
+                        "matched_truth": int(t["indices"][j]),
+                        "matching": "hungarian over the exact batch" if exact else "best match in the client's data",
+                        "label_recovered": int(r.labels[i]) if r.labels is not None else None,
+                        "label_source": r.notes.get("label_source", ""),
+                        "seconds": r.seconds / len(pairs),
+                        **s,
+                    }
+                )
                 truth_row.append(cand[j])
                 final_row.append(r.images[i])
                 labels.append(f"PSNR {s['psnr']:.1f} dB")
                 for step, x in r.snapshots[:-1]:
                     snap_rows.setdefault(step, []).append(x[i])
-        summary = {"images": len(rows), "messages": len(recons),
-                   "seconds_per_message": round(sum(r.seconds for r in recons) / max(len(recons), 1), 2),
-                   **summarize({m: [row[m] for row in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim")})}
+        summary = {
+            "images": len(rows),
+            "messages": len(recons),
+            "seconds_per_message": round(sum(r.seconds for r in recons) / max(len(recons), 1), 2),
+            **summarize({m: [row[m] for row in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim")}),
+        }
         steps = sorted(snap_rows)
         shown = [steps[i] for i in sorted({0, len(steps) // 2, len(steps) - 1})] if steps else []
         gallery = [(f"step {st}", torch.stack(snap_rows[st])) for st in shown if len(snap_rows[st]) == len(final_row)]

@@ -16,9 +16,12 @@ class SigmoidLeNet(nn.Module):
     def __init__(self, in_channels: int = 3, num_classes: int = 10, image_size: int = 32):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, 12, 5, padding=2, stride=2), nn.Sigmoid(),
-            nn.Conv2d(12, 12, 5, padding=2, stride=2), nn.Sigmoid(),
-            nn.Conv2d(12, 12, 5, padding=2, stride=1), nn.Sigmoid(),
+            nn.Conv2d(in_channels, 12, 5, padding=2, stride=2),
+            nn.Sigmoid(),
+            nn.Conv2d(12, 12, 5, padding=2, stride=2),
+            nn.Sigmoid(),
+            nn.Conv2d(12, 12, 5, padding=2, stride=1),
+            nn.Sigmoid(),
         )
         side = -(-image_size // 4)
         self.fc = nn.Linear(12 * side * side, num_classes)

@@ -42,9 +42,7 @@ from privfl.registry import Registry
 #: Families whose tensors are model parameters or differences of them.
 PARAMETER_FAMILIES: frozenset[Family] = frozenset({Family.PARAMETERS, Family.GRADIENT, Family.GENERATOR})
 #: Families whose tensors are representations or statistics of them.
-REPRESENTATION_FAMILIES: frozenset[Family] = frozenset(
-    {Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION, Family.STATISTICS}
-)
+REPRESENTATION_FAMILIES: frozenset[Family] = frozenset({Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION, Family.STATISTICS})
 #: Message directions (see :attr:`privfl.capture.Message.direction`).
 DIRECTIONS: frozenset[str] = frozenset({"up", "down", "peer"})
 
@@ -153,9 +151,7 @@ class Defense:
         fields = {f.name: f for f in dataclasses.fields(self.Params)}
         unknown = sorted(set(params) - set(fields))
         if unknown:
-            raise ConfigError(
-                f"unknown parameter(s) {', '.join(unknown)} for defense {self.name!r}; accepted: {', '.join(fields)}"
-            )
+            raise ConfigError(f"unknown parameter(s) {', '.join(unknown)} for defense {self.name!r}; accepted: {', '.join(fields)}")
         hints = typing.get_type_hints(self.Params)
         try:
             values = {k: _coerce(k, v, hints[k]) for k, v in params.items()}
@@ -253,9 +249,7 @@ class Defense:
     def spec(self) -> str:
         """The ``name:k=v,...`` string that :func:`parse_defense` turns back into this defense."""
         items = [
-            f"{f.name}={_format(getattr(self.params, f.name))}"
-            for f in dataclasses.fields(self.params)
-            if getattr(self.params, f.name) is not None
+            f"{f.name}={_format(getattr(self.params, f.name))}" for f in dataclasses.fields(self.params) if getattr(self.params, f.name) is not None
         ]
         return f"{self.name}:{','.join(items)}" if items else self.name
 

@@ -256,7 +256,7 @@ class Quantize(Defense):
     Params: ClassVar[type] = QuantizeParams
 
     def transform(self, updates: dict[str, torch.Tensor], msg: Message) -> dict[str, torch.Tensor]:
-        levels = 2 ** self.params.bits - 1
+        levels = 2**self.params.bits - 1
         out = {}
         for k, u in updates.items():
             if u.numel() == 0:
@@ -309,4 +309,4 @@ class RepNoise(Defense):
         return {k: u + self.noise(msg, k, u, p.sigma, p.seed) for k, u in updates.items()}
 
 
-__all__ = ["GaussianNoise", "Clip", "ClientDP", "TopK", "Quantize", "RepNoise", "global_norm", "clip_to"]
+__all__ = ["ClientDP", "Clip", "GaussianNoise", "Quantize", "RepNoise", "TopK", "clip_to", "global_norm"]

@@ -51,8 +51,17 @@ class StoreTimer:
 
 
 def one_run(out: Path, name: str, capture: bool, args) -> tuple[float, list[float], int, float]:
-    values = {"method": args.method, "subsample": args.subsample, "rounds": args.rounds, "capture": capture,
-              "progress": False, "out_dir": str(out), "run_name": name, "seed": args.seed, "device": args.device}
+    values = {
+        "method": args.method,
+        "subsample": args.subsample,
+        "rounds": args.rounds,
+        "capture": capture,
+        "progress": False,
+        "out_dir": str(out),
+        "run_name": name,
+        "seed": args.seed,
+        "device": args.device,
+    }
     if resolve_method(args.method).requires_homogeneous:
         values["model_group"] = "homo-cnn4"
     cfg = build_config(values, resolve_method(args.method).Options)
@@ -73,11 +82,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     args = p.parse_args()
-    times = {True: [], False: []}
+    times: dict[bool, list[float]] = {True: [], False: []}
     accs, size, inside = {}, 0, []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for capture in ((True, False) if rep % 2 == 0 else (False, True)):
+            for capture in (True, False) if rep % 2 == 0 else (False, True):
                 seconds, acc, nbytes, store_seconds = one_run(Path(tmp), f"r{rep}-{capture}", capture, args)
                 times[capture].append(seconds)
                 if capture:

@@ -29,6 +29,7 @@ def reference_dlg(model, target_grads, x0, y0, steps):
     dummy_label = y0.clone().requires_grad_(True)
     optimizer = torch.optim.LBFGS([dummy_data, dummy_label])
     for _ in range(steps):
+
         def closure():
             optimizer.zero_grad()
             pred = model(dummy_data)
@@ -38,8 +39,10 @@ def reference_dlg(model, target_grads, x0, y0, steps):
             diff = 0
             for gx, gy in zip(dummy_grads, target_grads):
                 diff += ((gx - gy) ** 2).sum()
+            assert isinstance(diff, torch.Tensor)  # 0 + the first term: a tensor
             diff.backward()
             return diff
+
         optimizer.step(closure)
     return dummy_data.detach()
 

@@ -37,15 +37,17 @@ from privfl.engine import train
 from privfl.methods import resolve_method
 from privfl.run import Run
 
-DEFAULT_DEFENSES = ";".join([
-    "none",
-    "gaussian:sigma=0.001",
-    "gaussian:sigma=0.01",
-    "clip:max_norm=1.0",
-    "dp:max_norm=1.0,noise_multiplier=1.0",
-    "topk:keep=0.1",
-    "quantize:bits=4",
-])
+DEFAULT_DEFENSES = ";".join(
+    [
+        "none",
+        "gaussian:sigma=0.001",
+        "gaussian:sigma=0.01",
+        "clip:max_norm=1.0",
+        "dp:max_norm=1.0,noise_multiplier=1.0",
+        "topk:keep=0.1",
+        "quantize:bits=4",
+    ]
+)
 
 
 def run_training(values: dict, name: str, out_dir: Path) -> Run:
@@ -59,8 +61,16 @@ def run_attack(variant: str, run: Run, artifact: str, clients: str, steps: int, 
     """``variant`` on ``artifact`` of ``run``, one image per message (``max_batch=1``); its summary.
 
     Written to ``RUN/attacks/<variant>-<artifact>`` so each run folder keeps its galleries."""
-    report = attacks.run_attack(run, variant, kind=artifact, clients=clients.split(","), options={"steps": steps, "max_batch": 1},
-                                seed=seed, device=device, name=f"{variant}-{artifact}")
+    report = attacks.run_attack(
+        run,
+        variant,
+        kind=artifact,
+        clients=clients.split(","),
+        options={"steps": steps, "max_batch": 1},
+        seed=seed,
+        device=device,
+        name=f"{variant}-{artifact}",
+    )
     return report.summary
 
 
@@ -98,30 +108,53 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(s.strip() for s in args.defenses.split(";") if s.strip()):
         defense = [] if spec == "none" else [spec]
         slug = f"{i:02d}-" + ("none" if not defense else spec.replace(":", "_").replace(",", "_").replace("=", ""))
-        base = {"method": args.method, "model_group": args.model_group, "rounds": args.rounds, "seed": args.seed, "defense": defense,
-                "device": args.device}
+        base = {
+            "method": args.method,
+            "model_group": args.model_group,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "defense": defense,
+            "device": args.device,
+        }
         if args.subsample:
             base["subsample"] = args.subsample
         print(f"[{spec}] utility run: {args.method}, {args.rounds} rounds", flush=True)
         run = run_training(base, f"{slug}-{args.method}", out)
         summary = run.summary
-        leak = {v: run_attack(v, run, args.artifact, args.attack_clients, steps, args.seed, args.device)
-                for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
+        leak = {
+            v: run_attack(v, run, args.artifact, args.attack_clients, steps, args.seed, args.device)
+            for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))
+        }
         print(f"[{spec}] probe: fedsgd, batch 1, one round", flush=True)
-        probe_values = {"method": "fedsgd", "model_group": args.model_group, "rounds": 1, "batch_size": 1, "seed": args.seed,
-                        "subsample": args.probe_subsample, "defense": defense, "device": args.device}
+        probe_values = {
+            "method": "fedsgd",
+            "model_group": args.model_group,
+            "rounds": 1,
+            "batch_size": 1,
+            "seed": args.seed,
+            "subsample": args.probe_subsample,
+            "defense": defense,
+            "device": args.device,
+        }
         probe = run_training(probe_values, f"{slug}-probe-fedsgd", out)
-        probe_leak = {v: run_attack(v, probe, "grad", args.attack_clients, steps, args.seed, args.device)
-                      for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))}
+        probe_leak = {
+            v: run_attack(v, probe, "grad", args.attack_clients, steps, args.seed, args.device)
+            for v, steps in (("dlg", args.dlg_steps), ("ig", args.ig_steps))
+        }
         row = {
-            "defense": spec, "method": args.method,
-            "final_acc": round(summary["final_acc"], 4), "best_acc": round(summary["best_acc"], 4),
+            "defense": spec,
+            "method": args.method,
+            "final_acc": round(summary["final_acc"], 4),
+            "best_acc": round(summary["best_acc"], 4),
             "epsilon": max_epsilon(summary),
-            "dlg_psnr_run": _db(leak["dlg"]), "ig_psnr_run": _db(leak["ig"]),
-            "dlg_psnr_probe": _db(probe_leak["dlg"]), "ig_psnr_probe": _db(probe_leak["ig"]),
+            "dlg_psnr_run": _db(leak["dlg"]),
+            "ig_psnr_run": _db(leak["ig"]),
+            "dlg_psnr_probe": _db(probe_leak["dlg"]),
+            "ig_psnr_probe": _db(probe_leak["ig"]),
             "epsilon_probe": max_epsilon(probe.summary),
             "upload_bytes_per_round": round(summary["per_round"]["upload_bytes"]),
-            "run": str(run.path), "probe_run": str(probe.path),
+            "run": str(run.path),
+            "probe_run": str(probe.path),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -131,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
         db = {k: "n/a" if r[k] is None else f"{r[k]:.2f}" for k in ("dlg_psnr_run", "ig_psnr_run", "dlg_psnr_probe", "ig_psnr_probe")}
-        print(f"{r['defense']:<40} {r['final_acc']:9.2%} {eps:>9} {db['dlg_psnr_run']:>8} {db['ig_psnr_run']:>7}"
-              f" {db['dlg_psnr_probe']:>10} {db['ig_psnr_probe']:>9}")
+        print(
+            f"{r['defense']:<40} {r['final_acc']:9.2%} {eps:>9} {db['dlg_psnr_run']:>8} {db['ig_psnr_run']:>7}"
+            f" {db['dlg_psnr_probe']:>10} {db['ig_psnr_probe']:>9}"
+        )
     print(f"table: {out}/table.csv (PSNR in dB, per image on [0, 1], averaged)")
     return 0
 

@@ -53,8 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     run = trained if trained is not None and args.run is None else Run.open(args.run)
     rows: dict[str, list[dict]] = {k: [] for k in KINDS}
     for client in args.clients.split(","):
-        report = compare_artifacts(run, KINDS, client=client, samples=args.samples, options={"steps": args.steps}, seed=args.seed,
-                                   device=args.device, progress=not args.no_progress, data_root=args.data_root)
+        report = compare_artifacts(
+            run,
+            KINDS,
+            client=client,
+            samples=args.samples,
+            options={"steps": args.steps},
+            seed=args.seed,
+            device=args.device,
+            progress=not args.no_progress,
+            data_root=args.data_root,
+        )
         for image in report.rows:
             rows[image["kind"]].append(image)
     print(f"\nrun {run.path}: {len(args.clients.split(','))} client(s) x {args.samples} image(s), {args.steps} DIP steps")

@@ -103,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variances", default="1e-4,1e-3,1e-2", help="noise variances s^2 on the gradient")
     p.add_argument("--victims", default="lenet", help="lenet and/or resnet18")
     p.add_argument("--lr", type=float, default=0.01, help="the FedNova client's local learning rate")
-    p.add_argument("--restarts", type=int, default=1,
-                   help="DLG restarts from fresh dummies, the lowest final loss wins (DLG itself: 1; some inits diverge)")
+    p.add_argument(
+        "--restarts", type=int, default=1, help="DLG restarts from fresh dummies, the lowest final loss wins (DLG itself: 1; some inits diverge)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-drdfl", action="store_true", help="skip the DRDFL row even if its script exists")
     p.add_argument("--only-drdfl", action="store_true", help="only the DRDFL row (e.g. to add it to an earlier table)")
-    p.add_argument("--drdfl-width", type=int, default=32,
-                   help="DRDFL Learngene width (32: the paper configs' ~0.50M-parameter Learngene; 8: the quick default)")
+    p.add_argument(
+        "--drdfl-width", type=int, default=32, help="DRDFL Learngene width (32: the paper configs' ~0.50M-parameter Learngene; 8: the quick default)"
+    )
     p.add_argument("--out", default="runs/fig9")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -125,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         images, labels = packaged_images(dataset, args.images)
         finals: dict[str, list[torch.Tensor]] = {}
         snaps: dict[int, list[torch.Tensor]] = {}
-        for victim in ([] if args.only_drdfl else args.victims.split(",")):
-            systems = [("FedNova", [])] + [(f"FedNova+noise s2={v:g}", [f"gaussian:sigma={args.lr * v ** 0.5:.6g},seed={args.seed}"])
-                                           for v in variances]
+        for victim in [] if args.only_drdfl else args.victims.split(","):
+            systems: list[tuple[str, list[str]]] = [("FedNova", [])] + [
+                (f"FedNova+noise s2={v:g}", [f"gaussian:sigma={args.lr * v**0.5:.6g},seed={args.seed}"]) for v in variances
+            ]
             for system, defense in systems:
                 label = f"{system} ({victim})"
                 k = 100 if victim == "lenet" else NUM_CLASSES[dataset]
@@ -141,16 +144,27 @@ def main(argv: list[str] | None = None) -> int:
                     res = attack_update(model, delivered, args.lr, k, cfg, derive_seed(args.seed, "dlg", dataset, i))
                     secs = time.perf_counter() - t0
                     rec = (res.images * STD + MEAN).clamp(0, 1)
-                    row = {"dataset": dataset, "system": system, "victim": victim, "image": i, "label": int(y),
-                           "label_recovered": int(res.labels[0]), "psnr": float(psnr(rec, images[i : i + 1])[0]),
-                           "ssim": float(ssim(rec, images[i : i + 1])[0]), "seconds": round(secs, 2)}
+                    row = {
+                        "dataset": dataset,
+                        "system": system,
+                        "victim": victim,
+                        "image": i,
+                        "label": int(y),
+                        "label_recovered": int(res.labels[0]),
+                        "psnr": float(psnr(rec, images[i : i + 1])[0]),
+                        "ssim": float(ssim(rec, images[i : i + 1])[0]),
+                        "seconds": round(secs, 2),
+                    }
                     per_image.append(row)
                     finals.setdefault(label, []).append(rec[0])
                     if system == "FedNova" and victim == args.victims.split(",")[0]:
                         for step, xs in res.snapshots:
                             snaps.setdefault(step, []).append((xs[0] * STD + MEAN).clamp(0, 1))
-                    print(f"{dataset} {label:<32} image {i}: PSNR {row['psnr']:6.2f} dB  SSIM {row['ssim']:.3f}  "
-                          f"label {'ok' if row['label'] == row['label_recovered'] else 'wrong'}  {secs:5.1f} s", flush=True)
+                    print(
+                        f"{dataset} {label:<32} image {i}: PSNR {row['psnr']:6.2f} dB  SSIM {row['ssim']:.3f}  "
+                        f"label {'ok' if row['label'] == row['label_recovered'] else 'wrong'}  {secs:5.1f} s",
+                        flush=True,
+                    )
         if drdfl is not None:
             for row, rec in drdfl(dataset, images, labels, steps=args.steps, seed=args.seed, width=args.drdfl_width):
                 per_image.append(row)
@@ -159,20 +173,29 @@ def main(argv: list[str] | None = None) -> int:
         shown = [steps[j] for j in sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4})] if steps else []
         rows = [(f"FedNova step {s}", torch.stack(snaps[s])) for s in shown]
         rows += [(name, torch.stack(recs)) for name, recs in finals.items()]
-        per_label = {name: [f"{r['psnr']:.1f} dB" for r in per_image
-                            if r["dataset"] == dataset and f"{r['system']} ({r['victim']})" == name] for name in finals}
-        save_gallery(out / f"gallery-{dataset}.png", images, rows, captions=[f"#{i}" for i in range(len(images))],
-                     title=f"DLG, {args.steps} steps, {dataset}: FedNova vs defended / DRDFL", per_image_labels=per_label)
+        per_label = {
+            name: [f"{r['psnr']:.1f} dB" for r in per_image if r["dataset"] == dataset and f"{r['system']} ({r['victim']})" == name]
+            for name in finals
+        }
+        save_gallery(
+            out / f"gallery-{dataset}.png",
+            images,
+            rows,
+            captions=[f"#{i}" for i in range(len(images))],
+            title=f"DLG, {args.steps} steps, {dataset}: FedNova vs defended / DRDFL",
+            per_image_labels=per_label,
+        )
 
     table = _table(per_image)
     _write_csv(out / "per_image.csv", per_image)
     _write_csv(out / "table.csv", table)
-    (out / "table.json").write_text(json.dumps({"protocol": {k: v for k, v in vars(args).items()}, "dlg": cfg.as_dict(),
-                                                "table": table}, indent=2) + "\n")
+    (out / "table.json").write_text(json.dumps({"protocol": dict(vars(args)), "dlg": cfg.as_dict(), "table": table}, indent=2) + "\n")
     print(f"\n{'dataset':<9} {'system':<28} {'victim':<9} {'PSNR dB':>14} {'SSIM':>12} {'labels':>7} {'>20 dB':>7}")
     for r in table:
-        print(f"{r['dataset']:<9} {r['system']:<28} {r['victim']:<9} {r['psnr_mean']:7.2f} ± {r['psnr_std']:<5.2f}"
-              f" {r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} {r['label_acc']:6.0%} {r['recognisable']:6.0%}")
+        print(
+            f"{r['dataset']:<9} {r['system']:<28} {r['victim']:<9} {r['psnr_mean']:7.2f} ± {r['psnr_std']:<5.2f}"
+            f" {r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} {r['label_acc']:6.0%} {r['recognisable']:6.0%}"
+        )
     print(f"results: {out}/table.csv, {out}/gallery-*.png")
     return 0
 
@@ -184,12 +207,21 @@ def _table(rows: list[dict]) -> list[dict]:
     out = []
     for (dataset, system, victim), rs in groups.items():
         ps, ss = [r["psnr"] for r in rs], [r["ssim"] for r in rs]
-        out.append({"dataset": dataset, "system": system, "victim": victim, "images": len(rs),
-                    "psnr_mean": round(statistics.fmean(ps), 3), "psnr_std": round(statistics.pstdev(ps), 3),
-                    "ssim_mean": round(statistics.fmean(ss), 4), "ssim_std": round(statistics.pstdev(ss), 4),
-                    "label_acc": sum(r["label"] == r["label_recovered"] for r in rs) / len(rs),
-                    "recognisable": sum(r["psnr"] > RECOGNISABLE_DB for r in rs) / len(rs),
-                    "seconds_per_image": round(statistics.fmean(r["seconds"] for r in rs), 2)})
+        out.append(
+            {
+                "dataset": dataset,
+                "system": system,
+                "victim": victim,
+                "images": len(rs),
+                "psnr_mean": round(statistics.fmean(ps), 3),
+                "psnr_std": round(statistics.pstdev(ps), 3),
+                "ssim_mean": round(statistics.fmean(ss), 4),
+                "ssim_std": round(statistics.pstdev(ss), 4),
+                "label_acc": sum(r["label"] == r["label_recovered"] for r in rs) / len(rs),
+                "recognisable": sum(r["psnr"] > RECOGNISABLE_DB for r in rs) / len(rs),
+                "seconds_per_image": round(statistics.fmean(r["seconds"] for r in rs), 2),
+            }
+        )
     return out
 
 
@@ -206,6 +238,7 @@ def _drdfl_row():
     if not path.is_file():
         return None
     spec = importlib.util.spec_from_file_location("fig9_learngene", path)
+    assert spec is not None and spec.loader is not None  # a .py file that exists
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, "attack_learngene", None)

@@ -34,8 +34,7 @@ from privfl.runs import swap_in_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m privfl.analyze", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m privfl.analyze", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out-dir", default="runs", help="where run names are looked up (default: runs)")
@@ -46,29 +45,40 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--name", help="output folder name (default from the options)")
     common.add_argument("--no-progress", action="store_true")
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    g = sub.add_parser("gradcam", parents=[common], formatter_class=fmt,
-                       help="Grad-CAM of named modules of clients' models (DRDFL Figure 7 layout)")
+    g = sub.add_parser("gradcam", parents=[common], formatter_class=fmt, help="Grad-CAM of named modules of clients' models (DRDFL Figure 7 layout)")
     g.add_argument("--run", help="run directory or name (default: the latest)")
-    g.add_argument("--module", required=True,
-                   help="comma list of submodule names as in named_modules() (features, features.3, learngene, ...); "
-                        "a module without a spatial output stands for the last spatial module inside it")
+    g.add_argument(
+        "--module",
+        required=True,
+        help="comma list of submodule names as in named_modules() (features, features.3, learngene, ...); "
+        "a module without a spatial output stands for the last spatial module inside it",
+    )
     g.add_argument("--class", dest="cls", help="class name or index to explain (default: each image's true label)")
     g.add_argument("--images", type=int, default=2, help="images per client (its own test images of the class)")
     g.add_argument("--max-clients", type=int, default=4, help="without --clients: the first N clients that have such images")
-    g.add_argument("--same-images", action="store_true",
-                   help="every client explains the same images (pooled from the shown clients); adds a cross-client "
-                        "consistency number per module")
-    g.add_argument("--target", default="auto", choices=("auto", "model", "predict"),
-                   help="score explained: the model's logits, or the method's predict (auto: predict when it needs only the client model)")
-    t = sub.add_parser("tsne", parents=[common], formatter_class=fmt,
-                       help="t-SNE of per-client class prototypes or per-sample representations, one panel per run")
+    g.add_argument(
+        "--same-images",
+        action="store_true",
+        help="every client explains the same images (pooled from the shown clients); adds a cross-client consistency number per module",
+    )
+    g.add_argument(
+        "--target",
+        default="auto",
+        choices=("auto", "model", "predict"),
+        help="score explained: the model's logits, or the method's predict (auto: predict when it needs only the client model)",
+    )
+    t = sub.add_parser(
+        "tsne", parents=[common], formatter_class=fmt, help="t-SNE of per-client class prototypes or per-sample representations, one panel per run"
+    )
     t.add_argument("--runs", default="latest", help="comma list of run directories or names")
-    t.add_argument("--space", default="proto", help="proto (class prototypes of model.represent), rep (per-sample "
-                                                     "representations) or module:NAME (per-sample output of a submodule)")
+    t.add_argument(
+        "--space",
+        default="proto",
+        help="proto (class prototypes of model.represent), rep (per-sample representations) or module:NAME (per-sample output of a submodule)",
+    )
     t.add_argument("--prototypes", action="store_true", help="rep / module:NAME: average per (client, class) like proto")
     t.add_argument("--max-samples", type=int, default=100, help="per-sample spaces: seeded subsample per client")
-    t.add_argument("--metric", default="euclidean", choices=("euclidean", "cosine"),
-                   help="distance for t-SNE, silhouette and kNN")
+    t.add_argument("--metric", default="euclidean", choices=("euclidean", "cosine"), help="distance for t-SNE, silhouette and kNN")
     t.add_argument("--perplexity", type=float, help="t-SNE perplexity (default: min(30, (n-1)/3))")
     t.add_argument("--output", help="output folder (default: see above)")
     return parser
@@ -149,19 +159,30 @@ def gradcam_command(args) -> int:
 
     modules = [m.strip() for m in args.module.split(",") if m.strip()]
     class_index = resolve_class(args.cls, rm.class_names) if args.cls is not None else None
-    result = run_gradcam(rm, modules, clients=parse_client_ids(args.clients, rm.num_clients), class_index=class_index,
-                         per_client=_positive(args.images, "--images"), max_clients=_positive(args.max_clients, "--max-clients"),
-                         same_images=args.same_images, target=args.target, seed=args.seed,
-                         progress=_progress(args, "grad-cam"))
+    result = run_gradcam(
+        rm,
+        modules,
+        clients=parse_client_ids(args.clients, rm.num_clients),
+        class_index=class_index,
+        per_client=_positive(args.images, "--images"),
+        max_clients=_positive(args.max_clients, "--max-clients"),
+        same_images=args.same_images,
+        target=args.target,
+        seed=args.seed,
+        progress=_progress(args, "grad-cam"),
+    )
     what = rm.class_names[class_index] if class_index is not None else "true-label"
     name = args.name or _slug(f"gradcam-{'+'.join(modules)}-{what}{'-same' if args.same_images else ''}")
     info = {**describe(result, rm), "seed": args.seed, "device": str(rm.device)}
     title = f"Grad-CAM: {rm.method}, round {rm.round}, " + (f"class {what!r}" if class_index is not None else "true labels")
-    final = _atomic_folder(rm.run_dir / "analysis" / name, {
-        "gradcam.png": plot_gradcam(result, rm.class_names, title),
-        "maps.safetensors": _tensors_bytes(map_tensors(result)),
-        "gradcam.json": _json_bytes(info),
-    })
+    final = _atomic_folder(
+        rm.run_dir / "analysis" / name,
+        {
+            "gradcam.png": plot_gradcam(result, rm.class_names, title),
+            "maps.safetensors": _tensors_bytes(map_tensors(result)),
+            "gradcam.json": _json_bytes(info),
+        },
+    )
     print(f"grad-cam of {', '.join(modules)} on {len(result.rows)} client(s), {info['layout']['rows']} image(s) ({rm.method}, round {rm.round})")
     for row in result.rows:
         layers = ", ".join(f"{m} -> {row.layers[m]} {row.coarse[m][0]}x{row.coarse[m][1]}" for m in modules)
@@ -216,34 +237,45 @@ def tsne_command(args) -> int:
         final = runs[0].run_dir.parent / "analysis" / (args.name or _slug(f"tsne-{tag}-{joined}"))
     rows = [panel_row(p, space) for p in panels]
     info = {
-        "space": space.label, "prototypes": space.prototypes, "metric": args.metric, "seed": args.seed,
+        "space": space.label,
+        "prototypes": space.prototypes,
+        "metric": args.metric,
+        "seed": args.seed,
         "samples": "each client's train split" + ("" if space.prototypes else f", at most {max_samples} per client (seeded)"),
         "separation": "silhouette (sklearn, by class label; in [-1, 1]) and leave-one-out kNN class accuracy, computed in the "
-                      "original space before t-SNE; *_2d: the same on the t-SNE coordinates; silhouette_by_client: by client id",
+        "original space before t-SNE; *_2d: the same on the t-SNE coordinates; silhouette_by_client: by client id",
         "tsne": "sklearn TSNE, 2 components, init=pca, random_state=seed",
         "panels": rows,
         "points": point_rows(panels),
     }
     tensors = {}
     for i, p in enumerate(panels):
-        tensors.update({f"{i}.vectors": torch.from_numpy(p.vectors).float(), f"{i}.tsne": torch.from_numpy(p.embedding).float(),
-                        f"{i}.classes": torch.from_numpy(p.classes).long(), f"{i}.clients": torch.from_numpy(p.clients).long(),
-                        f"{i}.samples": torch.from_numpy(p.counts).long()})
+        tensors.update(
+            {
+                f"{i}.vectors": torch.from_numpy(p.vectors).float(),
+                f"{i}.tsne": torch.from_numpy(p.embedding).float(),
+                f"{i}.classes": torch.from_numpy(p.classes).long(),
+                f"{i}.clients": torch.from_numpy(p.clients).long(),
+                f"{i}.samples": torch.from_numpy(p.counts).long(),
+            }
+        )
     title = f"t-SNE of {space.label}; colour = class, marker = client"
-    final = _atomic_folder(final, {
-        "tsne.png": plot_panels(panels, space, title),
-        "tsne.json": _json_bytes(info),
-        "summary.csv": _csv_bytes(rows),
-        "points.csv": _csv_bytes(info["points"]),
-        "vectors.safetensors": _tensors_bytes(tensors),
-    })
+    final = _atomic_folder(
+        final,
+        {
+            "tsne.png": plot_panels(panels, space, title),
+            "tsne.json": _json_bytes(info),
+            "summary.csv": _csv_bytes(rows),
+            "points.csv": _csv_bytes(info["points"]),
+            "vectors.safetensors": _tensors_bytes(tensors),
+        },
+    )
     print(f"t-SNE of {space.label}; separation in the original space ({args.metric}):")
     for r in rows:
         sil = "n/a" if r["silhouette"] is None else f"{r['silhouette']:+.3f}"
         knn = "n/a" if r["knn_accuracy"] is None else f"{r['knn_accuracy']:.3f}"
         byc = "n/a" if r["silhouette_by_client"] is None else f"{r['silhouette_by_client']:+.3f}"
-        print(f"  {r['method']:<10} {r['name'][:40]:<40} {r['points']:>5} points  silhouette {sil}  {r['knn_k']}-NN acc {knn}  "
-              f"(by client {byc})")
+        print(f"  {r['method']:<10} {r['name'][:40]:<40} {r['points']:>5} points  silhouette {sil}  {r['knn_k']}-NN acc {knn}  (by client {byc})")
     print(f"  results: {final}/tsne.png")
     return 0
 

@@ -21,24 +21,32 @@ from typing import Any
 from privfl.cli import run_cli
 from privfl.errors import ConfigError
 
-GRADLEAK = {"dlg": "Deep Leakage from Gradients (L-BFGS, joint data+label)",
-            "idlg": "improved DLG (label from the last layer, then data)",
-            "ig": "Inverting Gradients (cosine + TV, signed Adam, boxed, restarts)"}
+GRADLEAK = {
+    "dlg": "Deep Leakage from Gradients (L-BFGS, joint data+label)",
+    "idlg": "improved DLG (label from the last layer, then data)",
+    "ig": "Inverting Gradients (cosine + TV, signed Adam, boxed, restarts)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from attacks.dip import DIPConfig
 
     d = DIPConfig()
-    parser = argparse.ArgumentParser(prog="python -m privfl.attack", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m privfl.attack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--run", help="run directory (default: the latest)")
     common.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
     sub.add_parser("list", parents=[common], help="the attacks that apply to a run (and why the others do not)")
-    inv = sub.add_parser("invert", parents=[common], help="deep-image-prior inversion of representation-like artifacts",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    inv = sub.add_parser(
+        "invert",
+        parents=[common],
+        help="deep-image-prior inversion of representation-like artifacts",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     what = inv.add_mutually_exclusive_group(required=True)
     what.add_argument("--artifact", help="kind to invert: a representation-like kind the run captured (rep, proto, ent_rep, ...)")
     what.add_argument("--compare", help="comma list of rep,proto,ent_rep: Figure-4 comparison on one client")
@@ -56,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--batch", type=int, default=16, help="targets optimised together (one grouped network)")
     _add_run_options(inv)
     for variant, text in GRADLEAK.items():
-        g = sub.add_parser(variant, parents=[common], help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           allow_abbrev=False)
-        g.add_argument("--artifact", required=True,
-                       help="a parameter-like kind the run's clients send: grad (FedSGD), update (FedNova), model (FedAvg), "
-                            "small_model (FedMRL), layer (FedFree), learngene (DRDFL), ...")
+        g = sub.add_parser(variant, parents=[common], help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        g.add_argument(
+            "--artifact",
+            required=True,
+            help="a parameter-like kind the run's clients send: grad (FedSGD), update (FedNova), model (FedAvg), "
+            "small_model (FedMRL), layer (FedFree), learngene (DRDFL), ...",
+        )
         g.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
         g.add_argument("--clients", help="comma list of client ids; default: every sender of that round")
         g.add_argument("--steps", type=int, help="optimisation steps (default: DLG/iDLG 300 L-BFGS steps, IG 4800)")
@@ -68,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--lr", type=float, help="optimiser learning rate (default: DLG 1.0, IG 0.1)")
         g.add_argument("--tv-weight", type=float, help="total variation weight (default: IG 0.1, DLG 0)")
         g.add_argument("--batch-size", type=int, default=8, help="largest batch reconstructed from one message")
-        g.add_argument("--batch-label-rule", choices=["last-layer", "joint"],
-                       help="idlg/ig with --batch-size > 1: labels read off the last layer first (default) or optimised jointly")
-        g.add_argument("--local-steps", default="1",
-                       help="unroll this many local SGD steps (at the message's lr) to match a multi-step update or model "
-                            "(Inverting Gradients' FedAvg variant); 'auto' = the local steps the message and the run's config imply")
+        g.add_argument(
+            "--batch-label-rule",
+            choices=["last-layer", "joint"],
+            help="idlg/ig with --batch-size > 1: labels read off the last layer first (default) or optimised jointly",
+        )
+        g.add_argument(
+            "--local-steps",
+            default="1",
+            help="unroll this many local SGD steps (at the message's lr) to match a multi-step update or model "
+            "(Inverting Gradients' FedAvg variant); 'auto' = the local steps the message and the run's config imply",
+        )
         _add_run_options(g)
     return parser
 
@@ -88,7 +104,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 def parse_clients(text: str | None) -> list[str] | None:
     from attacks.runner import client_names
 
-    return client_names([p for p in text.split(",")]) if text else None
+    return client_names(text.split(",")) if text else None
 
 
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -100,8 +116,16 @@ def invert_options(args: argparse.Namespace) -> dict[str, Any]:
     _positive("--steps", args.steps, 0)
     _positive("--batch", args.batch)
     _positive("--input-depth", args.input_depth)
-    return {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "reg_noise_std": args.reg_noise_std,
-            "input_depth": args.input_depth, "double": args.double, "cudnn": not args.no_cudnn, "batch": args.batch}
+    return {
+        "steps": args.steps,
+        "lr": args.lr,
+        "tv_weight": args.tv_weight,
+        "reg_noise_std": args.reg_noise_std,
+        "input_depth": args.input_depth,
+        "double": args.double,
+        "cudnn": not args.no_cudnn,
+        "batch": args.batch,
+    }
 
 
 def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,8 +141,15 @@ def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
             local_steps = 0
         if local_steps < 1:
             raise ConfigError(f"--local-steps must be a positive integer or 'auto', got {args.local_steps!r}")
-    return {"steps": args.steps, "lr": args.lr, "tv_weight": args.tv_weight, "restarts": args.restarts,
-            "local_steps": local_steps, "batch_label_rule": args.batch_label_rule, "max_batch": args.batch_size}
+    return {
+        "steps": args.steps,
+        "lr": args.lr,
+        "tv_weight": args.tv_weight,
+        "restarts": args.restarts,
+        "local_steps": local_steps,
+        "batch_label_rule": args.batch_label_rule,
+        "max_batch": args.batch_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,26 +160,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         return list_attacks(run)
     clients = parse_clients(args.clients)
-    common = {"seed": args.seed, "device": args.device, "name": args.name, "progress": not args.no_progress,
-              "data_root": args.data_root}
+    common = {"seed": args.seed, "device": args.device, "name": args.name, "progress": not args.no_progress, "data_root": args.data_root}
     if args.command == "invert" and args.compare:
         from attacks import compare_artifacts
 
         kinds = [k.strip() for k in args.compare.split(",") if k.strip()]
         _positive("--samples", args.samples)
-        report = compare_artifacts(run, kinds, client=clients[0] if clients else None, round=args.round, samples=args.samples,
-                                   options=invert_options(args), **common)
+        report = compare_artifacts(
+            run, kinds, client=clients[0] if clients else None, round=args.round, samples=args.samples, options=invert_options(args), **common
+        )
         print_compare(report)
         return 0
     from attacks import run_attack
 
     if args.command == "invert":
         _positive("--max-targets", args.max_targets)
-        report = run_attack(run, "invert", kind=args.artifact, round=args.round, clients=clients, max_targets=args.max_targets,
-                            options=invert_options(args), **common)
+        report = run_attack(
+            run, "invert", kind=args.artifact, round=args.round, clients=clients, max_targets=args.max_targets, options=invert_options(args), **common
+        )
     else:
-        report = run_attack(run, args.command, kind=args.artifact, round=args.round, clients=clients,
-                            options=gradleak_options(args), **common)
+        report = run_attack(run, args.command, kind=args.artifact, round=args.round, clients=clients, options=gradleak_options(args), **common)
     print_report(report)
     return 0
 
@@ -184,8 +215,10 @@ def print_report(report: Any) -> None:
             if k in s:
                 print(f"  {k:<16} {s[k]:10.3f}")
     else:
-        print(f"{report.attack} on {report.kind} r{report.round}: {s['images']} image(s) from {s['messages']} message(s), "
-              f"{s['seconds_per_message']:.1f} s per message")
+        print(
+            f"{report.attack} on {report.kind} r{report.round}: {s['images']} image(s) from {s['messages']} message(s), "
+            f"{s['seconds_per_message']:.1f} s per message"
+        )
         print(f"  PSNR {s['psnr']:.2f} dB (0-255 MSE {s['mse255']:.1f}), SSIM {s['ssim']:.3f}")
     if report.folder is not None:
         print(f"  results: {report.folder}/index.html")
@@ -196,8 +229,10 @@ def print_compare(report: Any) -> None:
     kinds = p["compare"]
     print(f"compare {', '.join(kinds)} on {p['client']} r{p['round']}: {s['seconds_per_target']:.2f} s per target")
     for k in kinds:
-        print(f"  {k:<8}{' (counterfactual)' if s[k + '_counterfactual'] else '':<17} PSNR {s[k + '_sample_psnr255']:6.2f} dB"
-              f"  MSE(0-255) {s[k + '_sample_mse255']:9.2f}  SSIM {s[k + '_sample_ssim']:.3f}")
+        print(
+            f"  {k:<8}{' (counterfactual)' if s[k + '_counterfactual'] else '':<17} PSNR {s[k + '_sample_psnr255']:6.2f} dB"
+            f"  MSE(0-255) {s[k + '_sample_mse255']:9.2f}  SSIM {s[k + '_sample_ssim']:.3f}"
+        )
     print(f"  ordering: {s['ordering']}")
     if report.folder is not None:
         print(f"  results: {report.folder}/index.html")

@@ -79,7 +79,7 @@ class Channel:
             msg = Message(msg.round, msg.sender, msg.receiver, msg.kind, msg.tensors, msg.meta, aux)
         for mod in self.mods:
             msg = mod(msg, self.context)
-        record = {
+        record: dict[str, Any] = {
             "round": msg.round,
             "sender": msg.sender,
             "receiver": msg.receiver,
@@ -120,9 +120,7 @@ class Channel:
         aux: tuple[str, ...] = (),
     ) -> dict[str, Message]:
         """One message per receiver (each counted, as the papers count broadcast per client)."""
-        return {
-            r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers
-        }
+        return {r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers}
 
     @staticmethod
     def _deliver(msg: Message) -> Message:

@@ -11,17 +11,23 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
 import yaml
 
 from privfl.errors import ConfigError, UnknownNameError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (requires-python allows it): the same parser from its backport
+    import tomli as tomllib
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -65,7 +71,13 @@ class TrainConfig:
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")
     knowledge_every: int = opt(0, "also store client extractors every N rounds (0: final round only)")
     progress: bool = opt(True, "show a progress bar")
-    defense: list[str] = field(default_factory=list, metadata={"help": "defense applied by the channel to outgoing messages, NAME[:k=v,...]; repeatable, applied in order (gaussian, clip, dp, topk, quantize, repnoise)"})
+    defense: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "defense applied by the channel to outgoing messages, NAME[:k=v,...]; repeatable, applied in order "
+            "(gaussian, clip, dp, topk, quantize, repnoise)"
+        },
+    )
     options: dict[str, Any] = field(default_factory=dict, metadata={"help": "method-specific options"})
 
 
@@ -147,14 +159,16 @@ def parse_scalar(value: Any, tp: Any) -> Any:
     return value
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, skip: set[str] = frozenset()) -> None:
+def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, skip: Collection[str] = frozenset()) -> None:
     """One ``--flag`` per field; defaults are SUPPRESSed so config files can fill the gaps."""
     for f in fields(cls):
         if f.name in skip or f.name == "options":
             continue
         tp = field_types(cls)[f.name]
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if "choices" in f.metadata:
             help_text += f"; one of: {', '.join(f.metadata['choices'])}"

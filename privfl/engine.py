@@ -35,8 +35,7 @@ from privfl.runs import latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
 THREAT_MODELS = {
-    "extractor": "honest-but-curious server with white-box access to each client's extractor incl. RM "
-    "(FedRE [000] Sec. 3 threat model)",
+    "extractor": "honest-but-curious server with white-box access to each client's extractor incl. RM (FedRE [000] Sec. 3 threat model)",
 }
 
 
@@ -102,9 +101,15 @@ class Trainer:
             split = ClientSplit.from_tensors(saved)
         else:
             parts = partition_indices(
-                labels.numpy(), cfg.num_clients, cfg.partition, cfg.seed, alpha=cfg.alpha,
-                classes_per_client=cfg.classes_per_client, imbalance_factor=cfg.imbalance_factor,
-                min_samples=cfg.min_samples, balanced=cfg.balanced,
+                labels.numpy(),
+                cfg.num_clients,
+                cfg.partition,
+                cfg.seed,
+                alpha=cfg.alpha,
+                classes_per_client=cfg.classes_per_client,
+                imbalance_factor=cfg.imbalance_factor,
+                min_samples=cfg.min_samples,
+                balanced=cfg.balanced,
             )
             split = split_train_test(parts, cfg.train_fraction, cfg.seed)
         self.split = split
@@ -120,12 +125,25 @@ class Trainer:
                 tensors["subset"] = torch.from_numpy(subset)
             save_file(tensors, str(truth_dir / "partition.safetensors"))
             counts = split.counts(labels.numpy(), dataset.num_classes)
-            atomic_write_text(run_dir / "partition.json", json.dumps({
-                "scheme": cfg.partition, "counts": counts.tolist(), "class_names": list(dataset.class_names),
-                "train_sizes": [len(t) for t in split.train], "test_sizes": [len(t) for t in split.test],
-            }) + "\n")
-            plot_partition(counts, run_dir / "partition.png", class_names=list(dataset.class_names),
-                           title=f"{cfg.dataset}: {cfg.partition} partition, {cfg.num_clients} clients")
+            atomic_write_text(
+                run_dir / "partition.json",
+                json.dumps(
+                    {
+                        "scheme": cfg.partition,
+                        "counts": counts.tolist(),
+                        "class_names": list(dataset.class_names),
+                        "train_sizes": [len(t) for t in split.train],
+                        "test_sizes": [len(t) for t in split.test],
+                    }
+                )
+                + "\n",
+            )
+            plot_partition(
+                counts,
+                run_dir / "partition.png",
+                class_names=list(dataset.class_names),
+                title=f"{cfg.dataset}: {cfg.partition} partition, {cfg.num_clients} clients",
+            )
 
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
         opts = self.method_cls.Options(**cfg.options)
@@ -138,17 +156,25 @@ class Trainer:
             model = self.method_cls.build_client_model(
                 ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
             ).to(self.device)
-            clients.append(Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device),
-                                  torch.as_tensor(split.test[k], device=self.device)))
+            clients.append(
+                Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device), torch.as_tensor(split.test[k], device=self.device))
+            )
         self.clients = clients
         from defenses import build_defenses
 
         self.defenses = build_defenses(cfg.defense)
-        self.channel = Channel(self.capture, self.truth, mods=self.defenses, method=cfg.method, sends=self.method_cls.sends,
-                               observers=[cb.on_message for cb in self.callbacks])
+        self.channel = Channel(
+            self.capture,
+            self.truth,
+            mods=self.defenses,
+            method=cfg.method,
+            sends=self.method_cls.sends,
+            observers=[cb.on_message for cb in self.callbacks],
+        )
         self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
-        env = FLEnv(cfg, opts, clients, self.data, dataset.num_classes,
-                    self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data))
+        env = FLEnv(
+            cfg, opts, clients, self.data, dataset.num_classes, self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data)
+        )
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
@@ -166,9 +192,18 @@ class Trainer:
         tmp = ckpt / f".{name}.tmp"
         save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
         os.replace(tmp, ckpt / name)
-        atomic_write_text(ckpt / "checkpoint.json", json.dumps({
-            "round": rnd, "file": name, "history": self.history, "defenses": [d.state() for d in self.defenses],
-        }) + "\n")
+        atomic_write_text(
+            ckpt / "checkpoint.json",
+            json.dumps(
+                {
+                    "round": rnd,
+                    "file": name,
+                    "history": self.history,
+                    "defenses": [d.state() for d in self.defenses],
+                }
+            )
+            + "\n",
+        )
         for old in ckpt.glob("state-r*.safetensors"):
             if old.name != name:
                 old.unlink()
@@ -184,7 +219,7 @@ class Trainer:
         state = load_file(str(ckpt / info["file"]), device=str(self.device))
         for c in self.clients:
             prefix = f"{c.name}."
-            c.model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            c.model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
         self.history = info["history"]
         for defense, state in zip(self.defenses, info.get("defenses", [])):
@@ -239,8 +274,15 @@ class Trainer:
             setup_records = self.channel.end_round()
         else:
             setup_records = []
-        bar = tqdm(range(self.start_round, cfg.rounds), desc=cfg.method, unit="round", initial=self.start_round,
-                   total=cfg.rounds, disable=not cfg.progress, dynamic_ncols=True)
+        bar = tqdm(
+            range(self.start_round, cfg.rounds),
+            desc=cfg.method,
+            unit="round",
+            initial=self.start_round,
+            total=cfg.rounds,
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
         for rnd in bar:
             t0 = time.perf_counter()
             selected = self.select(rnd)
@@ -250,7 +292,9 @@ class Trainer:
             ev = self.evaluate()
             comm = summarize_comm(r for r in records if r.get("meta", {}).get("phase") != "setup")
             entry = {
-                "round": rnd, "acc": ev["acc"], "acc_std": ev["acc_std"],
+                "round": rnd,
+                "acc": ev["acc"],
+                "acc_std": ev["acc_std"],
                 **{k: float(v) for k, v in extra.items()},
                 "selected": [c.index for c in selected],
                 "upload_scalars": comm.get("up", {}).get("paper_scalars", 0),
@@ -278,9 +322,22 @@ class Trainer:
     def write_metrics(self) -> None:
         lines = "".join(json.dumps(h, sort_keys=True) + "\n" for h in self.history)
         atomic_write_text(self.run_dir / "metrics.jsonl", lines)
-        cols = ["round", "acc", "acc_std", "train_loss", "server_loss", "upload_scalars", "upload_scalars_full",
-                "upload_bytes", "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "peer_scalars", "peer_bytes",
-                "seconds"]
+        cols = [
+            "round",
+            "acc",
+            "acc_std",
+            "train_loss",
+            "server_loss",
+            "upload_scalars",
+            "upload_scalars_full",
+            "upload_bytes",
+            "broadcast_scalars",
+            "broadcast_scalars_full",
+            "broadcast_bytes",
+            "peer_scalars",
+            "peer_bytes",
+            "seconds",
+        ]
         buf = io.StringIO()
         writer = csv.DictWriter(buf, cols, extrasaction="ignore")
         writer.writeheader()
@@ -292,12 +349,28 @@ class Trainer:
         best = max(self.history, key=lambda h: h["acc"])
         rounds = len(self.history)
         summary = {
-            "method": self.cfg.method, "dataset": self.cfg.dataset, "clients": self.cfg.num_clients, "rounds": rounds,
-            "final_acc": final["acc"], "final_acc_std": final["acc_std"],
-            "best_acc": best["acc"], "best_acc_std": best["acc_std"], "best_round": best["round"],
-            "per_round": {k: sum(h.get(k, 0) for h in self.history) / rounds for k in (
-                "upload_scalars", "upload_scalars_full", "upload_bytes",
-                "broadcast_scalars", "broadcast_scalars_full", "broadcast_bytes", "peer_scalars", "peer_bytes")},
+            "method": self.cfg.method,
+            "dataset": self.cfg.dataset,
+            "clients": self.cfg.num_clients,
+            "rounds": rounds,
+            "final_acc": final["acc"],
+            "final_acc_std": final["acc_std"],
+            "best_acc": best["acc"],
+            "best_acc_std": best["acc_std"],
+            "best_round": best["round"],
+            "per_round": {
+                k: sum(h.get(k, 0) for h in self.history) / rounds
+                for k in (
+                    "upload_scalars",
+                    "upload_scalars_full",
+                    "upload_bytes",
+                    "broadcast_scalars",
+                    "broadcast_scalars_full",
+                    "broadcast_bytes",
+                    "peer_scalars",
+                    "peer_bytes",
+                )
+            },
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
             "defenses": final.get("defenses", {}),
@@ -330,15 +403,24 @@ def write_run_info(trainer: Trainer) -> None:
         "sends": m.sends,
         "topology": trainer.topology.kind,
         "knowledge": {
-            kind: {"rounds": "final" if trainer.cfg.knowledge_every == 0 else f"final and every {trainer.cfg.knowledge_every}",
-                   "threat_model": THREAT_MODELS[kind]}
+            kind: {
+                "rounds": "final" if trainer.cfg.knowledge_every == 0 else f"final and every {trainer.cfg.knowledge_every}",
+                "threat_model": THREAT_MODELS[kind],
+            }
             for kind in m.exposes
-        } if trainer.cfg.capture else {},
+        }
+        if trainer.cfg.capture
+        else {},
         "archs": [c.arch for c in trainer.clients],
-        "dataset": {"name": trainer.cfg.dataset, "num_classes": trainer.dataset.num_classes,
-                    "channels": trainer.dataset.channels, "image_size": trainer.dataset.image_size,
-                    "mean": list(trainer.dataset.mean), "std": list(trainer.dataset.std),
-                    "class_names": list(trainer.dataset.class_names)},
+        "dataset": {
+            "name": trainer.cfg.dataset,
+            "num_classes": trainer.dataset.num_classes,
+            "channels": trainer.dataset.channels,
+            "image_size": trainer.dataset.image_size,
+            "mean": list(trainer.dataset.mean),
+            "std": list(trainer.dataset.std),
+            "class_names": list(trainer.dataset.class_names),
+        },
         "stores": {"capture": "capture/", "knowledge": "knowledge/", "ground_truth": "truth/"},
     }
     atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
@@ -381,4 +463,4 @@ def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback
     return Run(run_dir)
 
 
-__all__ = ["TrainCallback", "Trainer", "train", "resume", "resolve_device", "new_run_dir", "dir_size"]
+__all__ = ["TrainCallback", "Trainer", "dir_size", "new_run_dir", "resolve_device", "resume", "train"]

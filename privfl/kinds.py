@@ -37,7 +37,7 @@ import enum
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,8 +92,14 @@ FAMILY_FORMS: dict[Family, ParamForm] = {
 DIRECTIONS = frozenset({"up", "down", "peer"})
 _DTYPES = ("float", "int", "bool", "any")
 _META_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "number": (int, float), "str": (str,), "bool": (bool,),
-    "list": (list, tuple), "dict": (dict,), "any": (object,),
+    "int": (int,),
+    "float": (int, float),
+    "number": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "list": (list, tuple),
+    "dict": (dict,),
+    "any": (object,),
 }
 
 
@@ -212,8 +218,7 @@ class ArtifactKind:
     def meta_specs(self) -> tuple[MetaSpec, ...]:
         return (*COMMON_META, *self.meta)
 
-    def problems(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], direction: str,
-                 aux: Iterable[str] = ()) -> list[str]:
+    def problems(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], direction: str, aux: Iterable[str] = ()) -> list[str]:
         """What is wrong with a message of this kind (empty when it conforms)."""
         out: list[str] = []
         names = list(tensors)
@@ -236,26 +241,32 @@ class ArtifactKind:
         expected_aux = set(self.aux_names) & set(names)
         open_state = any(t.is_pattern for t in self.tensors)  # a state dict: its sender says what is bookkeeping
         if given_aux and given_aux != expected_aux and not open_state:
-            out.append(f"aux names {sorted(given_aux)} differ from the kind's bookkeeping tensors {sorted(expected_aux)} "
-                       "(leave aux empty: the channel takes it from the kind)")
-        for spec in self.meta_specs():
-            if not spec.applies(direction):
+            out.append(
+                f"aux names {sorted(given_aux)} differ from the kind's bookkeeping tensors {sorted(expected_aux)} "
+                "(leave aux empty: the channel takes it from the kind)"
+            )
+        for mspec in self.meta_specs():
+            if not mspec.applies(direction):
                 continue
-            if spec.key not in meta:
-                if spec.required:
-                    out.append(f"missing meta {spec.key!r} ({spec.type}{': ' + spec.doc if spec.doc else ''})")
-            elif not spec.type_ok(meta[spec.key]):
-                out.append(f"meta {spec.key!r} is {type(meta[spec.key]).__name__} {meta[spec.key]!r}, expected {spec.type}")
+            if mspec.key not in meta:
+                if mspec.required:
+                    out.append(f"missing meta {mspec.key!r} ({mspec.type}{': ' + mspec.doc if mspec.doc else ''})")
+            elif not mspec.type_ok(meta[mspec.key]):
+                out.append(f"meta {mspec.key!r} is {type(meta[mspec.key]).__name__} {meta[mspec.key]!r}, expected {mspec.type}")
         return out
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary (``privfl.capture kinds``, docs)."""
         return {
-            "name": self.name, "family": str(self.family), "description": self.description,
+            "name": self.name,
+            "family": str(self.family),
+            "description": self.description,
             "form": str(self.form) if self.form else None,
             "tensors": [{"name": t.name, "dtype": t.dtype, "ndim": t.ndim, "role": t.role, "required": t.required} for t in self.tensors],
-            "meta": [{"key": m.key, "type": m.type, "required": m.required,
-                      "directions": sorted(m.directions) if m.directions else "all"} for m in self.meta],
+            "meta": [
+                {"key": m.key, "type": m.type, "required": m.required, "directions": sorted(m.directions) if m.directions else "all"}
+                for m in self.meta
+            ],
         }
 
 
@@ -290,19 +301,22 @@ def check_message(msg: Message, method: str = "the method", sends: Mapping[str, 
     if msg.kind not in KINDS:
         raise MessageContractError(
             f"{method} sends unknown kind {msg.kind!r}: register it with privfl.kinds.register_kind(ArtifactKind({msg.kind!r}, ...)) "
-            f"or use one of {', '.join(KINDS.names())}")
+            f"or use one of {', '.join(KINDS.names())}"
+        )
     if sends is not None:
         allowed = parse_directions(sends.get(msg.kind, ""))
         if msg.direction not in allowed:
             declared = f"declares {msg.kind}: {sends[msg.kind]!r}" if msg.kind in sends else f"does not declare {msg.kind!r} in sends"
             raise MessageContractError(
                 f"{method} sends {msg.kind} {msg.direction} ({msg.sender} -> {msg.receiver}) but {declared}; "
-                f"add sends = {{..., {msg.kind!r}: {'/'.join(sorted(allowed | {msg.direction}))!r}}}")
+                f"add sends = {{..., {msg.kind!r}: {'/'.join(sorted(allowed | {msg.direction}))!r}}}"
+            )
     problems = KINDS.get(msg.kind).problems(msg.tensors, msg.meta, msg.direction, msg.aux)
     if problems:
         raise MessageContractError(
             f"{method} sent a malformed {msg.kind!r} message ({msg.sender} -> {msg.receiver}, round {msg.round}): "
-            f"{'; '.join(problems)}; see privfl.kinds.KINDS.get({msg.kind!r}).describe() or docs/extending.md")
+            f"{'; '.join(problems)}; see privfl.kinds.KINDS.get({msg.kind!r}).describe() or docs/extending.md"
+        )
 
 
 def parse_directions(text: str) -> frozenset[str]:
@@ -319,7 +333,8 @@ def check_sends(method: str, sends: Mapping[str, str]) -> None:
         if kind not in KINDS:
             raise MessageContractError(
                 f"{method} declares unknown kind {kind!r} in sends: register it first with privfl.kinds.register_kind "
-                f"(docs/extending.md), or use one of {', '.join(KINDS.names())}")
+                f"(docs/extending.md), or use one of {', '.join(KINDS.names())}"
+            )
         try:
             parse_directions(directions)
         except ValueError:
@@ -368,54 +383,117 @@ def _lr() -> MetaSpec:
 _STATE = (TensorSpec("*", dtype="any", doc="a state dict: parameter and buffer names of the module"),)
 
 for _kind in (
-    ArtifactKind("rep", Family.PER_SAMPLE_REPRESENTATION, "per-sample representations (+ their labels)",
-                 (TensorSpec("reps", ndim=2, doc="(n, d), one row per training sample"),
-                  TensorSpec("labels", dtype="int", ndim=1, role="aux", required=False, doc="(n,) class of each row")),
-                 vectors="reps", classes="labels"),
-    ArtifactKind("proto", Family.AGGREGATE_REPRESENTATION, "per-class local prototypes (+ class ids and counts)",
-                 (TensorSpec("protos", ndim=2, doc="(k, d), the mean representation of each present class"),
-                  TensorSpec("classes", dtype="int", ndim=1, role="aux", doc="(k,) class id of each row"),
-                  TensorSpec("counts", dtype="int", ndim=1, role="aux", required=False, doc="(k,) samples per class")),
-                 vectors="protos", classes="classes"),
-    ArtifactKind("global_proto", Family.AGGREGATE_REPRESENTATION, "per-class global prototypes broadcast by a server",
-                 (TensorSpec("protos", ndim=2, doc="(m, d)"), TensorSpec("classes", dtype="int", ndim=1, role="aux", doc="(m,) class ids")),
-                 vectors="protos", classes="classes"),
-    ArtifactKind("ent_rep", Family.AGGREGATE_REPRESENTATION, "entangled representation (+ its dense entangled label)",
-                 (TensorSpec("rep", ndim=1, doc="(d,) weighted sum of the client's representations"),
-                  TensorSpec("label", ndim=1, role="aux", required=False, doc="(C,) the same weights over one-hot labels")),
-                 vectors="rep", soft_label="label"),
+    ArtifactKind(
+        "rep",
+        Family.PER_SAMPLE_REPRESENTATION,
+        "per-sample representations (+ their labels)",
+        (
+            TensorSpec("reps", ndim=2, doc="(n, d), one row per training sample"),
+            TensorSpec("labels", dtype="int", ndim=1, role="aux", required=False, doc="(n,) class of each row"),
+        ),
+        vectors="reps",
+        classes="labels",
+    ),
+    ArtifactKind(
+        "proto",
+        Family.AGGREGATE_REPRESENTATION,
+        "per-class local prototypes (+ class ids and counts)",
+        (
+            TensorSpec("protos", ndim=2, doc="(k, d), the mean representation of each present class"),
+            TensorSpec("classes", dtype="int", ndim=1, role="aux", doc="(k,) class id of each row"),
+            TensorSpec("counts", dtype="int", ndim=1, role="aux", required=False, doc="(k,) samples per class"),
+        ),
+        vectors="protos",
+        classes="classes",
+    ),
+    ArtifactKind(
+        "global_proto",
+        Family.AGGREGATE_REPRESENTATION,
+        "per-class global prototypes broadcast by a server",
+        (TensorSpec("protos", ndim=2, doc="(m, d)"), TensorSpec("classes", dtype="int", ndim=1, role="aux", doc="(m,) class ids")),
+        vectors="protos",
+        classes="classes",
+    ),
+    ArtifactKind(
+        "ent_rep",
+        Family.AGGREGATE_REPRESENTATION,
+        "entangled representation (+ its dense entangled label)",
+        (
+            TensorSpec("rep", ndim=1, doc="(d,) weighted sum of the client's representations"),
+            TensorSpec("label", ndim=1, role="aux", required=False, doc="(C,) the same weights over one-hot labels"),
+        ),
+        vectors="rep",
+        soft_label="label",
+    ),
     ArtifactKind("head", Family.PARAMETERS, "classifier head parameters", _STATE, (_samples(), _lr()), closed=False),
     ArtifactKind("model", Family.PARAMETERS, "full model parameters", _STATE, (_samples(), _lr()), closed=False),
-    ArtifactKind("update", Family.GRADIENT, "parameter update (previous - new) / a, a in meta (default 1)", _STATE,
-                 (_samples(), _lr(), MetaSpec("a", "number", required=False, doc="the update's normaliser (FedNova's a_k)"),
-                  MetaSpec("tau", "int", required=False, doc="local steps behind the update")),
-                 form=ParamForm.UPDATE, closed=False),
-    ArtifactKind("grad", Family.GRADIENT, "gradients of one batch at the state the sender last received", _STATE,
-                 (MetaSpec("batch_size", "int", directions=_UPLOAD, doc="samples in the batch the gradient is of"),),
-                 form=ParamForm.GRADIENT, closed=False),
-    ArtifactKind("logits", Family.LOGITS, "per-sample or per-class logits",
-                 (TensorSpec("logits", ndim=2, doc="(n, C) class scores"),
-                  TensorSpec("classes", dtype="int", ndim=1, role="aux", required=False, doc="(n,) the class each row is about"),
-                  TensorSpec("labels", dtype="int", ndim=1, role="aux", required=False, doc="(n,) labels of per-sample rows")),
-                 vectors="logits", classes="classes"),
+    ArtifactKind(
+        "update",
+        Family.GRADIENT,
+        "parameter update (previous - new) / a, a in meta (default 1)",
+        _STATE,
+        (
+            _samples(),
+            _lr(),
+            MetaSpec("a", "number", required=False, doc="the update's normaliser (FedNova's a_k)"),
+            MetaSpec("tau", "int", required=False, doc="local steps behind the update"),
+        ),
+        form=ParamForm.UPDATE,
+        closed=False,
+    ),
+    ArtifactKind(
+        "grad",
+        Family.GRADIENT,
+        "gradients of one batch at the state the sender last received",
+        _STATE,
+        (MetaSpec("batch_size", "int", directions=_UPLOAD, doc="samples in the batch the gradient is of"),),
+        form=ParamForm.GRADIENT,
+        closed=False,
+    ),
+    ArtifactKind(
+        "logits",
+        Family.LOGITS,
+        "per-sample or per-class logits",
+        (
+            TensorSpec("logits", ndim=2, doc="(n, C) class scores"),
+            TensorSpec("classes", dtype="int", ndim=1, role="aux", required=False, doc="(n,) the class each row is about"),
+            TensorSpec("labels", dtype="int", ndim=1, role="aux", required=False, doc="(n,) labels of per-sample rows"),
+        ),
+        vectors="logits",
+        classes="classes",
+    ),
     ArtifactKind("small_model", Family.PARAMETERS, "shared small model parameters (FedMRL)", _STATE, (_samples(), _lr()), closed=False),
-    ArtifactKind("layer", Family.PARAMETERS, "parameters of single layers (FedFree): uploads name the layers, downloads "
-                 "overwrite a target layer's first entries (apply_layer_download)", _STATE,
-                 (_samples(),
-                  MetaSpec("layers", "list", directions=frozenset({"up"}), doc="per uploaded layer: name, type, shape, bias, position"),
-                  MetaSpec("target", "str", directions=frozenset({"down"}), doc="the receiver's layer to overwrite"),
-                  MetaSpec("global_layer", "str", directions=frozenset({"down"}), doc="the tensor-name prefix of the sent layer"),
-                  MetaSpec("fill", "str", directions=frozenset({"down"}), doc="keep or zero: entries beyond the copied ones"),
-                  MetaSpec("target_shape", "list", directions=frozenset({"down"}), doc="weight shape of the target layer"),
-                  MetaSpec("target_bias", "bool", directions=frozenset({"down"}), doc="whether the target layer has a bias")),
-                 closed=False),
+    ArtifactKind(
+        "layer",
+        Family.PARAMETERS,
+        "parameters of single layers (FedFree): uploads name the layers, downloads overwrite a target layer's first entries (apply_layer_download)",
+        _STATE,
+        (
+            _samples(),
+            MetaSpec("layers", "list", directions=frozenset({"up"}), doc="per uploaded layer: name, type, shape, bias, position"),
+            MetaSpec("target", "str", directions=frozenset({"down"}), doc="the receiver's layer to overwrite"),
+            MetaSpec("global_layer", "str", directions=frozenset({"down"}), doc="the tensor-name prefix of the sent layer"),
+            MetaSpec("fill", "str", directions=frozenset({"down"}), doc="keep or zero: entries beyond the copied ones"),
+            MetaSpec("target_shape", "list", directions=frozenset({"down"}), doc="weight shape of the target layer"),
+            MetaSpec("target_bias", "bool", directions=frozenset({"down"}), doc="whether the target layer has a bias"),
+        ),
+        closed=False,
+    ),
     ArtifactKind("generator", Family.GENERATOR, "generator parameters", _STATE, closed=False),
-    ArtifactKind("learngene", Family.PARAMETERS, "Learngene parameters (DRDFL)", _STATE,
-                 (_samples(), _lr(), MetaSpec("previous_round", "int", required=False,
-                                              doc="round whose received state this one was trained from (-1: none)")),
-                 closed=False),
-    ArtifactKind("gaussians", Family.STATISTICS, "class-wise Gaussian parameters (DRDFL)",
-                 (TensorSpec("mu", ndim=2, doc="(K, d) class means"), TensorSpec("var", ndim=2, doc="(K, d) diagonal variances"))),
+    ArtifactKind(
+        "learngene",
+        Family.PARAMETERS,
+        "Learngene parameters (DRDFL)",
+        _STATE,
+        (_samples(), _lr(), MetaSpec("previous_round", "int", required=False, doc="round whose received state this one was trained from (-1: none)")),
+        closed=False,
+    ),
+    ArtifactKind(
+        "gaussians",
+        Family.STATISTICS,
+        "class-wise Gaussian parameters (DRDFL)",
+        (TensorSpec("mu", ndim=2, doc="(K, d) class means"), TensorSpec("var", ndim=2, doc="(K, d) diagonal variances")),
+    ),
 ):
     register_kind(_kind)
 
@@ -431,6 +509,21 @@ def apply_layer_download(local: torch.Tensor, incoming: torch.Tensor, fill: str)
     return out.view_as(local)
 
 
-__all__ = ["ArtifactKind", "DIRECTIONS", "Family", "KINDS", "MessageContractError", "MetaSpec", "ParamForm", "TensorSpec",
-           "apply_layer_download", "check_message", "check_sends", "example_message", "get_kind", "kinds_of",
-           "parse_directions", "register_kind"]
+__all__ = [
+    "DIRECTIONS",
+    "KINDS",
+    "ArtifactKind",
+    "Family",
+    "MessageContractError",
+    "MetaSpec",
+    "ParamForm",
+    "TensorSpec",
+    "apply_layer_download",
+    "check_message",
+    "check_sends",
+    "example_message",
+    "get_kind",
+    "kinds_of",
+    "parse_directions",
+    "register_kind",
+]

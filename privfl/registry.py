@@ -15,7 +15,7 @@ import fnmatch
 import importlib
 import pkgutil
 from collections.abc import Callable, Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 from privfl.errors import UnknownNameError
 
@@ -42,6 +42,10 @@ class Registry(Generic[T]):
                 if not info.name.startswith("_"):
                     importlib.import_module(f"{package_name}.{info.name}")
 
+    @overload
+    def register(self, name: str) -> Callable[[T], T]: ...
+    @overload
+    def register(self, name: str, obj: T) -> T: ...
     def register(self, name: str, obj: T | None = None) -> Callable[[T], T] | T:
         """Register ``obj`` under ``name``; usable as ``@registry.register("name")``."""
 

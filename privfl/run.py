@@ -252,10 +252,10 @@ class AttackerView:
             have = sorted({(r["client"], r["round"]) for r in recs})
             where = ", ".join(f"{c}@r{n}" for c, n in have[:12]) or "none"
             raise CaptureError(
-                f"the run stores no extractor of {client} at round {round} (it has: {where}); "
-                "retrain with --knowledge-every N to keep more rounds"
+                f"the run stores no extractor of {client} at round {round} (it has: {where}); retrain with --knowledge-every N to keep more rounds"
             )
         rec = match[0]
+        assert self.knowledge_store is not None  # a record was found in it
         model = build_model(**rec["spec"])
         model.load_extractor_state(self.knowledge_store.load(rec))
         model.eval().to(device)
@@ -301,8 +301,9 @@ class GroundTruth:
 
     def message_truth(self, seq: int) -> dict[str, torch.Tensor]:
         if seq not in self._by_seq:
-            raise CaptureError(f"the ground-truth store has no record of message {seq} (a run trained with capture keeps one per "
-                               "message that has samples behind it)")
+            raise CaptureError(
+                f"the ground-truth store has no record of message {seq} (a run trained with capture keeps one per message that has samples behind it)"
+            )
         return self.store.load(self._by_seq[seq])
 
 

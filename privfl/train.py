@@ -30,11 +30,11 @@ from privfl.errors import ConfigError
 
 if TYPE_CHECKING:
     from privfl.engine import TrainCallback
+    from privfl.methods.base import FLMethod
     from privfl.run import Run
 
 
-def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callbacks: Sequence[TrainCallback] = (),
-          **options: Any) -> Run:
+def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callbacks: Sequence[TrainCallback] = (), **options: Any) -> Run:
     """Train a method and return its :class:`~privfl.run.Run`.
 
     ``cfg`` is a :class:`TrainConfig`, a mapping of options (the keys of the CLI flags and config files,
@@ -79,7 +79,7 @@ def _catalogue() -> str:
     return "\n".join(lines)
 
 
-def build_parser(method_cls: type | None = None) -> argparse.ArgumentParser:
+def build_parser(method_cls: type[FLMethod] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m privfl.train",
         description="Train a federated method and capture every message it sends.",
@@ -112,10 +112,7 @@ def _method_from_argv(argv: list[str]) -> str | None:
 
 
 _SWITCHES = {"-h", "--help"} | {
-    prefix + f.name.replace("_", "-")
-    for f in fields(TrainConfig)
-    if f.type in ("bool", bool)
-    for prefix in ("--", "--no-")
+    prefix + f.name.replace("_", "-") for f in fields(TrainConfig) if f.type in ("bool", bool) for prefix in ("--", "--no-")
 }
 
 
@@ -138,7 +135,9 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
         allowed = {"device", "progress"}
         ignored = set(args) - allowed
         if ignored:
-            raise ConfigError(f"--resume continues a run with its saved config; only --device/--progress may change, got {', '.join(sorted(ignored))}")
+            raise ConfigError(
+                f"--resume continues a run with its saved config; only --device/--progress may change, got {', '.join(sorted(ignored))}"
+            )
         saved.update(args)
         cfg = build_config(saved, resolve_method(saved["method"]).Options)
         run = engine.resume(run_dir, cfg, callbacks=callbacks)
@@ -178,9 +177,14 @@ def print_summary(s: dict) -> None:
     table.add_row("final mean test accuracy (sample-weighted ± std over clients)", f"{100 * s['final_acc']:.2f} ± {100 * s['final_acc_std']:.2f} %")
     table.add_row(f"best mean test accuracy (round {s['best_round']})", f"{100 * s['best_acc']:.2f} ± {100 * s['best_acc_std']:.2f} %")
     p = s["per_round"]
-    table.add_row("upload per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['upload_scalars'])} / {_fmt_count(p['upload_scalars_full'])}")
+    table.add_row(
+        "upload per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['upload_scalars'])} / {_fmt_count(p['upload_scalars_full'])}"
+    )
     table.add_row("upload per round: bytes", _fmt_bytes(p["upload_bytes"]))
-    table.add_row("broadcast per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['broadcast_scalars'])} / {_fmt_count(p['broadcast_scalars_full'])}")
+    table.add_row(
+        "broadcast per round: scalars (paper-style / incl. labels)",
+        f"{_fmt_count(p['broadcast_scalars'])} / {_fmt_count(p['broadcast_scalars_full'])}",
+    )
     table.add_row("broadcast per round: bytes", _fmt_bytes(p["broadcast_bytes"]))
     if p.get("peer_scalars"):
         table.add_row("client-to-client per round: scalars / bytes", f"{_fmt_count(p['peer_scalars'])} / {_fmt_bytes(p['peer_bytes'])}")

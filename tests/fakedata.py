@@ -17,8 +17,11 @@ def write_cifar100(root: Path, per_class: int = 4, seed: int = 0) -> Path:
     labels = [c for c in range(100) for _ in range(per_class)]
     for name, labs in (("train", labels), ("test", labels[:100])):
         with open(base / name, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (len(labs), 3072), dtype=np.uint8),
-                         b"fine_labels": labs, b"coarse_labels": [0] * len(labs)}, f, protocol=4)
+            pickle.dump(
+                {b"data": rng.integers(0, 256, (len(labs), 3072), dtype=np.uint8), b"fine_labels": labs, b"coarse_labels": [0] * len(labs)},
+                f,
+                protocol=4,
+            )
     with open(base / "meta", "wb") as f:
         pickle.dump({b"fine_label_names": [f"c{i}".encode() for i in range(100)]}, f, protocol=4)
     return root

@@ -21,13 +21,13 @@ from privfl.analyze import main as analyze_main
 from privfl.cli import run_cli
 from privfl.methods import ModelRequest
 from privfl.methods.simple import Local
+from privfl.models import SplitModel
 from privfl.train import main as train_main
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 pytestmark = pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
 # 3 clients of the cpu5 group: cnn4-narrow, mlp (no spatial layer), cnn3x3
-TINY = ["--subsample", "400", "--partition", "iid", "--rounds", "2", "--num-clients", "3", "--rep-dim", "64",
-        "--batch-size", "32", "--no-progress"]
+TINY = ["--subsample", "400", "--partition", "iid", "--rounds", "2", "--num-clients", "3", "--rep-dim", "64", "--batch-size", "32", "--no-progress"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,8 +111,7 @@ def manual_gradcam(model, layer, x: torch.Tensor, target: int) -> torch.Tensor:
 
 def test_gradcam_maps_figure_and_json(runs):
     run = runs["fedproto"]
-    analyze("gradcam", "--run", str(run), "--module", "features,features.3", "--clients", "0,2", "--images", "2",
-            "--name", "two")
+    analyze("gradcam", "--run", str(run), "--module", "features,features.3", "--clients", "0,2", "--images", "2", "--name", "two")
     folder = run / "analysis" / "two"
     info = json.loads((folder / "gradcam.json").read_text())
     assert info["layout"]["columns"] == ["ground truth", "features", "features.3"]
@@ -167,12 +166,17 @@ def test_gradcam_errors(runs, capsys):
     err = cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--clients", "1")  # the MLP
     assert "client1 (mlp)" in err and "(B, C, h, w)" in err
     assert "unknown class 'zebra'" in cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--class", "zebra")
-    assert "--target model" in cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--clients", "0",
-                                         "--target", "predict")
+    assert "--target model" in cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--clients", "0", "--target", "predict")
     assert "client 7 does not exist" in cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--clients", "7")
     # the real exit status and one line of the module's own entry point
-    proc = subprocess.run([sys.executable, "-m", "privfl.analyze", "gradcam", "--run", str(Path(run) / "nothing"),
-                           "--module", "features"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "privfl.analyze", "gradcam", "--run", str(Path(run) / "nothing"), "--module", "features"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "not a privfl run" in proc.stderr
 
 
@@ -193,6 +197,7 @@ def test_tsne_prototypes_two_runs(runs):
         assert vectors[f"{i}.vectors"].shape == (expected, 64) and vectors[f"{i}.tsne"].shape == (expected, 2)
     # the stored prototypes are the clients' class means of model.represent on their train data
     model, ids = rm.model(0), rm.client_ids(0, "train")
+    assert isinstance(model, SplitModel)  # FedProto's client model
     with torch.no_grad():
         reps = model.represent(rm.client_data(ids).x).double()
     labels = rm.labels_of(ids)

@@ -31,8 +31,9 @@ def test_gallery_grows_with_rows(tmp_path: Path, c: int) -> None:
     recon = [(f"ent_rep client{i} r19", _imgs(6, c, seed=i + 1)) for i in range(3)]
     labels = {lbl: [f"PSNR {12.3 + j:.1f} dB" for j in range(6)] for lbl, _ in recon}
     one = save_gallery(tmp_path / "one.png", truth, recon[:1], title="t", per_image_labels=labels)
-    three = save_gallery(tmp_path / "sub" / "three.png", truth, recon, captions=[f"#{j}" for j in range(6)],
-                         title="inversion <b>", per_image_labels=labels)
+    three = save_gallery(
+        tmp_path / "sub" / "three.png", truth, recon, captions=[f"#{j}" for j in range(6)], title="inversion <b>", per_image_labels=labels
+    )
     w1, h1 = _size(one)
     w3, h3 = _size(three)
     assert w1 == w3 and h3 > h1
@@ -42,8 +43,9 @@ def test_gallery_grows_with_rows(tmp_path: Path, c: int) -> None:
 
 
 def test_gallery_single_image_and_wide_rows(tmp_path: Path) -> None:
-    p = save_gallery(tmp_path / "n1.png", _imgs(1, 1), [("r", _imgs(1, 1, seed=2))],
-                     per_image_labels={"ground truth": ["label 7"], "r": ["PSNR 9.0 dB"]})
+    p = save_gallery(
+        tmp_path / "n1.png", _imgs(1, 1), [("r", _imgs(1, 1, seed=2))], per_image_labels={"ground truth": ["label 7"], "r": ["PSNR 9.0 dB"]}
+    )
     w1, _ = _size(p)
     p16 = save_gallery(tmp_path / "n16.png", _imgs(16, 3, 32), [("r", _imgs(16, 3, 32, seed=2))])
     w16, _ = _size(p16)
@@ -87,7 +89,8 @@ def test_write_metrics_roundtrip(tmp_path: Path) -> None:
     assert summ == summary
     # overwrite in place, no temp files left behind
     write_metrics(tmp_path / "m", rows[:1], summary, protocol)
-    assert len(list(csv.DictReader(open(c)))) == 1
+    with open(c) as f:
+        assert len(list(csv.DictReader(f))) == 1
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["metrics.csv", "metrics.json", "summary.csv"]
 
 
@@ -95,12 +98,19 @@ def test_write_html(tmp_path: Path) -> None:
     folder = tmp_path / "report"
     gal = save_gallery(folder / "gallery_client3.png", _imgs(2, 1), [("r", _imgs(2, 1, seed=1))])
     write_metrics(folder, [{"image": 0, "psnr": 12.89}], {"psnr": 12.89}, {"attack": "inv"})
-    page = write_html(folder, "<script>alert(1)</script> report", [
-        {"heading": "client 3 & friends", "protocol": {"attack": "inversion", "prior": "<none>"},
-         "images": [gal, "other/gallery 2.png"],
-         "summary": {"psnr255": 12.89, "psnr255_std": 1.5, "mse255": 4514.91, "lpips": math.nan}},
-        {"heading": "second", "summary": {"ssim": 0.25}, "links": {"raw captures": "capture/index.json"}},
-    ])
+    page = write_html(
+        folder,
+        "<script>alert(1)</script> report",
+        [
+            {
+                "heading": "client 3 & friends",
+                "protocol": {"attack": "inversion", "prior": "<none>"},
+                "images": [gal, "other/gallery 2.png"],
+                "summary": {"psnr255": 12.89, "psnr255_std": 1.5, "mse255": 4514.91, "lpips": math.nan},
+            },
+            {"heading": "second", "summary": {"ssim": 0.25}, "links": {"raw captures": "capture/index.json"}},
+        ],
+    )
     assert page == folder / "index.html"
     text = page.read_text()
     assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt; report" in text

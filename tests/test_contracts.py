@@ -128,7 +128,7 @@ def test_undeclared_sends_and_unknown_kinds_are_one_line_errors():
     assert "\n" not in str(info.value) and "mine" in str(info.value)
     with pytest.raises(MessageContractError, match="declares model: 'down'"):
         Channel(method="mine", sends={"model": "down"}).send(msg)
-    with pytest.raises(MessageContractError, match="unknown kind 'weights'.*register_kind"):
+    with pytest.raises(MessageContractError, match=r"unknown kind 'weights'.*register_kind"):
         Channel(method="mine").send(Message(0, "client0", "server", "weights", {"w": torch.zeros(1)}))
 
 
@@ -156,10 +156,16 @@ _KIND = "test_sketch"
 
 def _register_sketch() -> None:
     if _KIND not in KINDS:
-        register_kind(ArtifactKind(
-            _KIND, Family.AGGREGATE_REPRESENTATION, "per-class sums of representations (a user's kind)",
-            (TensorSpec("sums", ndim=2, doc="(k, d) per-class sums"), TensorSpec("cls", dtype="int", ndim=1, role="aux")),
-            vectors="sums", classes="cls"))
+        register_kind(
+            ArtifactKind(
+                _KIND,
+                Family.AGGREGATE_REPRESENTATION,
+                "per-class sums of representations (a user's kind)",
+                (TensorSpec("sums", ndim=2, doc="(k, d) per-class sums"), TensorSpec("cls", dtype="int", ndim=1, role="aux")),
+                vectors="sums",
+                classes="cls",
+            )
+        )
 
 
 def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_path, monkeypatch, fmnist):
@@ -185,8 +191,10 @@ def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_p
         "        return {}\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert train_main(["sketch_fl:Sketch", *TINY, "--rounds", "1", "--defense", "repnoise:sigma=0.01",
-                       "--out-dir", str(tmp_path), "--run-name", "s"]) == 0
+    assert (
+        train_main(["sketch_fl:Sketch", *TINY, "--rounds", "1", "--defense", "repnoise:sigma=0.01", "--out-dir", str(tmp_path), "--run-name", "s"])
+        == 0
+    )
     run = Run.open(tmp_path / "s")
     (report_of_defense,) = run.summary["defenses"].values()
     assert report_of_defense["defended_messages"] == 10
@@ -195,5 +203,6 @@ def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_p
     report = run_attack(run, "invert", clients=[0], max_targets=2, options={"steps": 2, "input_depth": 4}, device="cpu")
     assert report.kind == _KIND and len(report.rows) == 2 and all("best_psnr255" in r for r in report.rows)
     assert all("training images of its class" in r["ground_truth"] for r in report.rows)  # scored by the class rule
+    assert report.folder is not None
     saved = json.loads((report.folder / "metrics.json").read_text())
     assert saved["protocol"]["family"] == "aggregate_representation"

@@ -55,12 +55,15 @@ def cifar_rows(n: int, start: int) -> np.ndarray:
 def make_cifar10(folder: Path, per_batch: int = 2) -> None:
     folder.mkdir(parents=True)
     for b, name in enumerate([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]):
-        batch = {b"batch_label": name.encode(), b"labels": [(b * per_batch + i) % 10 for i in range(per_batch)],
-                 b"data": cifar_rows(per_batch, b * per_batch), b"filenames": [b"x.png"] * per_batch}
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": [(b * per_batch + i) % 10 for i in range(per_batch)],
+            b"data": cifar_rows(per_batch, b * per_batch),
+            b"filenames": [b"x.png"] * per_batch,
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
-    names = [n.encode() for n in ("airplane", "automobile", "bird", "cat", "deer",
-                                  "dog", "frog", "horse", "ship", "truck")]
+    names = [n.encode() for n in ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")]
     with open(folder / "batches.meta", "wb") as f:
         pickle.dump({b"label_names": names, b"num_vis": 3072, b"num_cases_per_batch": per_batch}, f)
 
@@ -72,8 +75,7 @@ def make_tiny(base: Path) -> None:
     (base / "val" / "images").mkdir(parents=True)
     (base / "test" / "images").mkdir(parents=True)
     (base / "wnids.txt").write_text("\n".join(wnids) + "\n")
-    (base / "words.txt").write_text("n01443537\tgoldfish, Carassius auratus\nn01629819\tEuropean fire salamander\n"
-                                    "n99999999\tunused\n")
+    (base / "words.txt").write_text("n01443537\tgoldfish, Carassius auratus\nn01629819\tEuropean fire salamander\nn99999999\tunused\n")
     for w in wnids:
         folder = base / "train" / w / "images"
         folder.mkdir(parents=True)
@@ -81,8 +83,7 @@ def make_tiny(base: Path) -> None:
             Image.new("RGB", (64, 64), colours[w]).save(folder / f"{w}_{i}.JPEG", quality=95)
     Image.new("L", (64, 64), 128).save(base / "val" / "images" / "val_0.JPEG")  # greyscale: converted to RGB
     Image.new("RGB", (64, 64), colours[wnids[0]]).save(base / "val" / "images" / "val_1.JPEG", quality=95)
-    (base / "val" / "val_annotations.txt").write_text(
-        f"val_0.JPEG\t{wnids[1]}\t0\t0\t63\t63\nval_1.JPEG\t{wnids[0]}\t1\t1\t60\t60\n")
+    (base / "val" / "val_annotations.txt").write_text(f"val_0.JPEG\t{wnids[1]}\t0\t0\t63\t63\nval_1.JPEG\t{wnids[0]}\t1\t1\t60\t60\n")
     Image.new("RGB", (64, 64)).save(base / "test" / "images" / "test_0.JPEG")
 
 
@@ -175,7 +176,7 @@ def test_download_goes_through_torchvision(tmp_path: Path, monkeypatch: pytest.M
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nno network")
 
     monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
-    with pytest.raises(DataMissingError, match="download into .* failed") as info:
+    with pytest.raises(DataMissingError, match=r"download into .* failed") as info:
         load_dataset("mnist", tmp_path / "other", download=True)
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="--data-root"):
@@ -208,11 +209,9 @@ def test_cifar100(tmp_path: Path) -> None:
     base.mkdir()
     for name, n in (("train", 4), ("test", 2)):
         with open(base / name, "wb") as f:
-            pickle.dump({b"data": cifar_rows(n, 0), b"fine_labels": [99 - i for i in range(n)],
-                         b"coarse_labels": [0] * n}, f)
+            pickle.dump({b"data": cifar_rows(n, 0), b"fine_labels": [99 - i for i in range(n)], b"coarse_labels": [0] * n}, f)
     with open(base / "meta", "wb") as f:
-        pickle.dump({b"fine_label_names": [f"c{i}".encode() for i in range(100)],
-                     b"coarse_label_names": [b"x"] * 20}, f)
+        pickle.dump({b"fine_label_names": [f"c{i}".encode() for i in range(100)], b"coarse_label_names": [b"x"] * 20}, f)
     d = load_dataset("cifar100", tmp_path)
     assert d.images.shape == (6, 3, 32, 32) and d.num_classes == 100
     assert d.labels.tolist() == [99, 98, 97, 96, 99, 98]
@@ -223,11 +222,11 @@ def test_restricted_unpickler_rejects_globals(tmp_path: Path) -> None:
     make_cifar10(tmp_path / "cifar-10-batches-py")
     with open(tmp_path / "cifar-10-batches-py" / "data_batch_3", "wb") as f:
         pickle.dump({b"data": Evil(), b"labels": []}, f)
-    with pytest.raises(DataMissingError, match="forbidden global posix.system|forbidden global os.system"):
+    with pytest.raises(DataMissingError, match=r"forbidden global posix.system|forbidden global os.system"):
         load_dataset("cifar10", tmp_path)
     evil = tmp_path / "evil.pkl"
     evil.write_bytes(pickle.dumps([eval, print]))
-    with pytest.raises(DataMissingError, match="forbidden global builtins.eval"):
+    with pytest.raises(DataMissingError, match=r"forbidden global builtins.eval"):
         ds.restricted_pickle_load(evil)
     with open(evil, "rb") as f, pytest.raises(pickle.UnpicklingError):
         ds.RestrictedUnpickler(f, encoding="bytes").load()
@@ -241,9 +240,11 @@ def test_restricted_unpickler_accepts_numpy1_names(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError):
         unpickler.find_class("numpy", "load")
     # The real CIFAR files: Python 2 protocol-2 pickles of numpy 1.x arrays (GLOBAL numpy.core..., BINSTRING).
-    arr = (b"cnumpy.core.multiarray\n_reconstruct\nq\x01cnumpy\nndarray\nq\x02K\x00\x85U\x01b\x87Rq\x03"
-           b"(K\x01K\x03\x85cnumpy\ndtype\nq\x04U\x02u1K\x00K\x01\x87Rq\x05(K\x03U\x01|NNNJ\xff\xff\xff\xff"
-           b"J\xff\xff\xff\xffK\x00tb\x89U\x03\x01\x02\x03tb")
+    arr = (
+        b"cnumpy.core.multiarray\n_reconstruct\nq\x01cnumpy\nndarray\nq\x02K\x00\x85U\x01b\x87Rq\x03"
+        b"(K\x01K\x03\x85cnumpy\ndtype\nq\x04U\x02u1K\x00K\x01\x87Rq\x05(K\x03U\x01|NNNJ\xff\xff\xff\xff"
+        b"J\xff\xff\xff\xffK\x00tb\x89U\x03\x01\x02\x03tb"
+    )
     py2 = tmp_path / "py2_batch"
     py2.write_bytes(b"\x80\x02}q\x00(U\x04data" + arr + b"U\x06labels]q\x06K\x07au.")
     batch = ds.restricted_pickle_load(py2)
@@ -282,7 +283,12 @@ def test_tinyimagenet_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.undo()
     decoded: list[int] = []
     real_decode = ds._decode_jpegs
-    monkeypatch.setattr(ds, "_decode_jpegs", lambda files: decoded.append(len(files)) or real_decode(files))
+
+    def counting_decode(files):
+        decoded.append(len(files))
+        return real_decode(files)
+
+    monkeypatch.setattr(ds, "_decode_jpegs", counting_decode)
     rebuilt = load_dataset("tinyimagenet", tmp_path)
     assert decoded == [8] and torch.equal(rebuilt.images, d.images)
 

@@ -14,7 +14,6 @@ from privfl.channel import Channel
 from privfl.errors import ConfigError, UnknownNameError
 from privfl.kinds import kinds_of
 
-
 #: what each kind's uploads must say (privfl.kinds): the samples behind an update, the batch of a gradient
 REQUIRED_META = {"grad": {"batch_size": 1}, "update": {"num_samples": 1}, "model": {"num_samples": 1}, "head": {"num_samples": 1}}
 
@@ -49,8 +48,14 @@ def test_new_message_keeps_header_and_sender_tensors():
     msg = up("update", {"w": x})
     got = GaussianNoise(sigma=1.0)(msg, Channel().context)
     assert got is not msg
-    assert (got.round, got.sender, got.receiver, got.kind, got.meta, got.aux) == (0, "client0", "server", "update",
-                                                                                  {"note": "x", "num_samples": 1}, ())
+    assert (got.round, got.sender, got.receiver, got.kind, got.meta, got.aux) == (
+        0,
+        "client0",
+        "server",
+        "update",
+        {"note": "x", "num_samples": 1},
+        (),
+    )
     assert torch.equal(msg.tensors["w"], torch.ones(10))  # the sender's tensors are not modified in place
     assert not torch.equal(got.tensors["w"], x)
 
@@ -214,7 +219,11 @@ def test_parse_round_trip():
     assert q.params.bits == 4 and isinstance(q.params.bits, int) and q.directions == {"up", "down"}
     dp = parse_defense("dp:max_norm=2,noise_multiplier=0.5,delta=1e-6,sample_rate=0.1,seed=9")
     assert (dp.params.max_norm, dp.params.noise_multiplier, dp.params.delta, dp.params.sample_rate, dp.params.seed) == (
-        2.0, 0.5, 1e-6, 0.1, 9,
+        2.0,
+        0.5,
+        1e-6,
+        0.1,
+        9,
     )
     for name in DEFENSES:
         default = parse_defense(name)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from privfl.errors import ConfigError
 from privfl.methods import METHODS, ModelRequest
 from privfl.methods.drdfl import (
     DRDFL,
+    DRDFLModel,
     ema_mix,
     gaussian_log_density,
     gm_logits,
@@ -33,9 +31,31 @@ from privfl.train import main as train_main
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--subsample", "480", "--partition", "iid", "--num-clients", "4", "--no-progress", "--batch-size", "32",
-        "--width", "4", "--persona-width", "4", "--decoder-width", "4", "--latent-dim", "8", "--persona-dim", "6",
-        "--model-group", "homo-cnn4", "--global-test-samples", "64"]
+TINY = [
+    "--subsample",
+    "480",
+    "--partition",
+    "iid",
+    "--num-clients",
+    "4",
+    "--no-progress",
+    "--batch-size",
+    "32",
+    "--width",
+    "4",
+    "--persona-width",
+    "4",
+    "--decoder-width",
+    "4",
+    "--latent-dim",
+    "8",
+    "--persona-dim",
+    "6",
+    "--model-group",
+    "homo-cnn4",
+    "--global-test-samples",
+    "64",
+]
 
 
 def train(tmp_path: Path, *args: str, name: str = "run") -> Path:
@@ -73,8 +93,7 @@ def test_gaussian_mixture_loss_on_known_inputs():
 def test_kl_confusion_ema_and_reversal():
     assert kl_standard_normal(torch.zeros(3, 4), torch.zeros(3, 4)).item() == 0.0
     mu, lv = torch.tensor([[1.0, -2.0]]), torch.tensor([[math.log(2.0), 0.0]])
-    expected = torch.distributions.kl_divergence(torch.distributions.Normal(mu, (0.5 * lv).exp()),
-                                                 torch.distributions.Normal(0.0, 1.0)).sum()
+    expected = torch.distributions.kl_divergence(torch.distributions.Normal(mu, (0.5 * lv).exp()), torch.distributions.Normal(0.0, 1.0)).sum()
     assert kl_standard_normal(mu, lv).item() == pytest.approx(expected.item(), abs=1e-6)
     assert uniform_confusion(torch.zeros(5, 10)).item() == pytest.approx(math.log(10), abs=1e-6)
     logits = torch.tensor([[2.0, 0.0, -1.0]])
@@ -82,7 +101,7 @@ def test_kl_confusion_ema_and_reversal():
     assert torch.allclose(ema_mix(torch.tensor([1.0]), torch.tensor([3.0]), 0.99), torch.tensor([1.02]))
     x = torch.ones(3, requires_grad=True)
     grad_reverse(x, 0.5).sum().backward()
-    assert torch.equal(x.grad, torch.full((3,), -0.5))
+    assert x.grad is not None and torch.equal(x.grad, torch.full((3,), -0.5))
 
 
 # ------------------------------------------------------------------------------------------ ring
@@ -122,6 +141,7 @@ def test_ring_reroutes_around_failures_with_exact_counts(tmp_path):
 
     view = Run.open(run).attacker
     model = view.method_cls.build_client_model(view.model_request("client0"))
+    assert isinstance(model, DRDFLModel)
     n_learngene = sum(v.numel() for v in model.learngene.state_dict().values())
     for r in recs:
         assert r["paper_scalars"] == (n_learngene if r["kind"] == "learngene" else 2 * 10 * 6)
@@ -143,8 +163,22 @@ def test_ring_reroutes_around_failures_with_exact_counts(tmp_path):
 
 @needs_fmnist
 def test_short_run_learns(tmp_path):
-    run = train(tmp_path, "--subsample", "3000", "--partition", "iid", "--num-clients", "3", "--rounds", "2",
-                "--no-progress", "--model-group", "homo-cnn4", "--global-test-samples", "300")
+    run = train(
+        tmp_path,
+        "--subsample",
+        "3000",
+        "--partition",
+        "iid",
+        "--num-clients",
+        "3",
+        "--rounds",
+        "2",
+        "--no-progress",
+        "--model-group",
+        "homo-cnn4",
+        "--global-test-samples",
+        "300",
+    )
     m = metrics(run)
     assert m[-1]["local_t"] > 0.3 and m[-1]["global_t"] > 0.3 and m[-1]["acc"] > 0.3  # chance: 0.1 (3 x chance or more)
     assert m[-1]["loss_rec"] < m[0]["loss_rec"] * 1.5

@@ -73,6 +73,7 @@ def test_soft_label_loss_equals_weighted_hard_label_form():
     soft /= soft.sum(1, keepdim=True)
     # [000] Eq. (3): sum_k sum_c w_k^c CE(f(r_k), c)
     hard = sum(soft[k, c] * F.cross_entropy(logits[k : k + 1], torch.tensor([c])) for k in range(4) for c in range(C))
+    assert isinstance(hard, torch.Tensor)
     assert soft_label_loss(logits, soft, "sum").item() == pytest.approx(hard.item(), rel=1e-12)
     assert soft_label_loss(logits, soft, "mean").item() == pytest.approx(hard.item() / 4, rel=1e-12)
 

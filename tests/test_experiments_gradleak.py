@@ -15,6 +15,7 @@ FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 def _load(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -22,8 +23,7 @@ def _load(path: Path):
 
 def test_fig9_script_writes_table_and_gallery(tmp_path):
     fig9 = _load(ROOT / "experiments" / "fig9_gradleak.py")
-    assert fig9.main(["--datasets", "cifar10", "--images", "1", "--steps", "2", "--variances", "1e-2",
-                      "--no-drdfl", "--out", str(tmp_path)]) == 0
+    assert fig9.main(["--datasets", "cifar10", "--images", "1", "--steps", "2", "--variances", "1e-2", "--no-drdfl", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").open()))
     assert [r["system"] for r in rows] == ["FedNova", "FedNova+noise s2=0.01"]
     for r in rows:
@@ -53,9 +53,29 @@ def test_fig9_noise_reaches_the_attacker_at_the_gradient_scale():
 @pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
 def test_defense_table_script(tmp_path):
     table = _load(ROOT / "experiments" / "defense_table.py")
-    assert table.main(["--defenses", "none;dp:max_norm=1.0,noise_multiplier=1.0", "--rounds", "1", "--subsample", "800",
-                       "--probe-subsample", "400", "--attack-clients", "0", "--dlg-steps", "1", "--ig-steps", "2",
-                       "--out", str(tmp_path)]) == 0
+    assert (
+        table.main(
+            [
+                "--defenses",
+                "none;dp:max_norm=1.0,noise_multiplier=1.0",
+                "--rounds",
+                "1",
+                "--subsample",
+                "800",
+                "--probe-subsample",
+                "400",
+                "--attack-clients",
+                "0",
+                "--dlg-steps",
+                "1",
+                "--ig-steps",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "table.json").read_text())["rows"]
     assert [r["defense"] for r in rows] == ["none", "dp:max_norm=1.0,noise_multiplier=1.0"]
     assert rows[0]["epsilon"] is None and rows[1]["epsilon"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from privfl.data.partition import dominant_share_partition
 from privfl.methods import METHODS
 from privfl.methods.fedfree import (
     FedFree,
+    LayerInfo,
     align_layer,
     candidate_layers,
     change_score,
@@ -63,22 +65,27 @@ def test_entropy_and_kge_on_known_weights():
     assert entropy(3 * uniform + 5) == pytest.approx(8.0)
 
 
+def _name(layer: LayerInfo | None) -> str:
+    assert layer is not None
+    return layer.name
+
+
 def test_candidate_layers_and_matching_rules():
     g = candidate_layers(build_model("fedfree-cnn", in_channels=1, num_classes=10, image_size=28, rep_dim=128))
     assert [(x.type, x.depth) for x in g] == [("conv", 0), ("conv", 0.25), ("fc", 0.5), ("fc", 0.75), ("fc", 1.0)]
     name = {x.position: x.name for x in g}
-    assert match_layer(0.3, 1.0, 4, "conv", g, "depth").name == name[1]  # nearest overall depth
-    assert match_layer(0.9, 0.0, 7, "fc", g, "depth").name == name[4]
-    assert match_layer(0.625, 0.0, 7, "fc", g, "depth").name == name[2]  # tie 0.5 / 0.75 -> earlier
-    assert match_layer(0.9, 0.0, 7, "fc", g, "type_depth").name == name[2]  # first fc of its model
-    assert match_layer(0.25, 1.0, 1, "conv", g, "index").name == name[1]
+    assert _name(match_layer(0.3, 1.0, 4, "conv", g, "depth")) == name[1]  # nearest overall depth
+    assert _name(match_layer(0.9, 0.0, 7, "fc", g, "depth")) == name[4]
+    assert _name(match_layer(0.625, 0.0, 7, "fc", g, "depth")) == name[2]  # tie 0.5 / 0.75 -> earlier
+    assert _name(match_layer(0.9, 0.0, 7, "fc", g, "type_depth")) == name[2]  # first fc of its model
+    assert _name(match_layer(0.25, 1.0, 1, "conv", g, "index")) == name[1]
     assert match_layer(0.25, 1.0, 1, "fc", g, "index") is None  # position 1 is a conv
     assert match_layer(0.0, 0.0, 0, "conv", [x for x in g if x.type == "fc"], "depth") is None
     # resnet-tiny: BatchNorm is not a candidate; its head maps to fc3, its stem to conv1
     c = candidate_layers(build_model("resnet-tiny", in_channels=1, num_classes=10, image_size=28))
     assert all(isinstance(x.module, (nn.Conv2d, nn.Linear)) for x in c) and c[-1].name == "head"
-    assert match_layer(c[-1].depth, c[-1].type_depth, c[-1].position, "fc", g, "depth").name == name[4]
-    assert match_layer(c[0].depth, c[0].type_depth, 0, "conv", g, "depth").name == name[0]
+    assert _name(match_layer(c[-1].depth, c[-1].type_depth, c[-1].position, "fc", g, "depth")) == name[4]
+    assert _name(match_layer(c[0].depth, c[0].type_depth, 0, "conv", g, "depth")) == name[0]
 
 
 def test_size_mismatch_overlap_and_flat():
@@ -86,15 +93,18 @@ def test_size_mismatch_overlap_and_flat():
     b = torch.tensor([1.0, 2.0, 3.0, 4.0])
     gw, gb = torch.zeros(3, 3, 3, 3), torch.zeros(3)
     pw, pb, wm, bm, om = project_to(w, b, 1, gw, gb, "overlap")
+    assert pb is not None and bm is not None
     assert torch.equal(pw[:, :2], w[:3, :, 1:4, 1:4]) and torch.equal(pw[:, 2], torch.zeros(3, 3, 3))  # centre crop
     assert wm[:, :2].all() and not wm[:, 2].any() and torch.equal(pb, b[:3]) and om.all() and bm.all()
     one = torch.ones(2, 1, 1, 1)  # 1x1 kernel lands in the centre of the 3x3
     pw, _, wm, _, om = project_to(one, None, 1, gw, gb, "overlap")
     assert pw[:2, 0, 1, 1].eq(1).all() and pw.sum() == 2 and wm.sum() == 2 and om.tolist() == [True, True, False]
     pw, pb, wm, bm, om = project_to(w, b, 1, gw, gb, "flat")
+    assert pb is not None
     assert torch.equal(pw.reshape(-1), w.reshape(-1)[:81]) and torch.equal(pb, b[:3]) and om.all() and wm.all()
     lin = torch.arange(6.0).view(2, 3)
     pw, pb, wm, _, om = project_to(lin, torch.ones(2), 1, torch.zeros(3, 2), torch.zeros(3), "overlap")
+    assert pb is not None
     assert pw.tolist() == [[0, 1], [3, 4], [0, 0]] and pb.tolist() == [1, 1, 0] and om.tolist() == [True, True, False]
     # a depthwise conv is a block-diagonal dense kernel
     dw = torch.arange(1.0, 4.0).view(3, 1, 1, 1)
@@ -117,6 +127,7 @@ def test_alignment_converges_toward_the_uploaded_layer(kind):
     client = nn.Linear(6, 4) if kind == "fc" else nn.Conv2d(2, 3, 3, padding=1)
     g = candidate_layers(nn.Sequential(layer_module))[0]
     shape = (6,) if kind == "fc" else (2, 8, 8)
+    assert client.bias is not None and g.module.bias is not None and layer_module.bias is not None
     w, b, _, _, om = project_to(client.weight.detach(), client.bias.detach(), 1, g.module.weight.detach(), g.module.bias.detach(), "overlap")
     d0 = (g.module.weight - client.weight).norm().item()
     gens = [torch.Generator().manual_seed(s) for s in range(200)]
@@ -172,8 +183,25 @@ def run(tmp_path_factory):
     if not FMNIST.exists():
         pytest.skip("apt-get install dataset-fashion-mnist")
     out = tmp_path_factory.mktemp("fedfree")
-    assert train_main(["fedfree", "--subsample", "2000", "--rounds", "3", "--batch-size", "32",  # Dir(0.1), cpu5
-                       "--no-progress", "--out-dir", str(out), "--run-name", "r"]) == 0
+    assert (
+        train_main(
+            [
+                "fedfree",
+                "--subsample",
+                "2000",
+                "--rounds",
+                "3",
+                "--batch-size",
+                "32",  # Dir(0.1), cpu5
+                "--no-progress",
+                "--out-dir",
+                str(out),
+                "--run-name",
+                "r",
+            ]
+        )
+        == 0
+    )
     return out / "r"
 
 
@@ -192,7 +220,7 @@ def test_capture_is_exact(run):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     archs = json.loads((run / "run.json").read_text())["archs"]
     g = candidate_layers(build_model("fedfree-cnn", in_channels=1, num_classes=10, image_size=28, rep_dim=128))
-    g_numel = {x.name: x.module.weight.numel() + x.module.bias.numel() for x in g}
+    g_numel = {x.name: x.module.weight.numel() + cast(torch.Tensor, x.module.bias).numel() for x in g}  # all have biases
     for rnd, m in enumerate(metrics):
         ups = [r for r in records if r["round"] == rnd and r["direction"] == "up"]
         downs = [r for r in records if r["round"] == rnd and r["direction"] == "down"]
@@ -225,12 +253,13 @@ def test_capture_is_exact(run):
 def test_dlg_on_uploaded_layers_and_the_clear_error(run, capsys):
     from privfl.attack import main as attack_main
 
-    code = run_cli("privfl.attack", lambda: attack_main(["dlg", "--artifact", "layer", "--run", str(run), "--round", "0",
-                                                         "--clients", "0", "--steps", "3", "--no-progress"]))
+    code = run_cli(
+        "privfl.attack",
+        lambda: attack_main(["dlg", "--artifact", "layer", "--run", str(run), "--round", "0", "--clients", "0", "--steps", "3", "--no-progress"]),
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "start-of-round state" in err, err
-    assert attack_main(["dlg", "--artifact", "layer", "--run", str(run), "--clients", "0", "--steps", "3",
-                        "--batch-size", "2", "--no-progress"]) == 0
+    assert attack_main(["dlg", "--artifact", "layer", "--run", str(run), "--clients", "0", "--steps", "3", "--batch-size", "2", "--no-progress"]) == 0
     data = json.loads((run / "attacks" / "dlg-layer-r2" / "metrics.json").read_text())
     assert len(data["images"]) == 2 and data["protocol"]["method"] == "fedfree"
 
@@ -238,9 +267,9 @@ def test_dlg_on_uploaded_layers_and_the_clear_error(run, capsys):
 def test_bad_options_are_one_line_errors(tmp_path, capsys):
     if not FMNIST.exists():
         pytest.skip("apt-get install dataset-fashion-mnist")
-    code = run_cli("privfl.train", lambda: train_main(["fedfree", "--k", "0", "--subsample", "600", "--no-progress",
-                                                       "--out-dir", str(tmp_path)]))
+    code = run_cli("privfl.train", lambda: train_main(["fedfree", "--k", "0", "--subsample", "600", "--no-progress", "--out-dir", str(tmp_path)]))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "k must be >= 1" in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())
-    assert FedFree.leakage_context("layer").previous_rule == "layer-replay"
+    ctx = FedFree.leakage_context("layer")
+    assert ctx is not None and ctx.previous_rule == "layer-replay"

@@ -4,9 +4,6 @@ what it received, exact capture counts, learning on real data, gradient leakage 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +22,10 @@ from tests.test_train import FMNIST, ROOT, metrics, needs_fmnist, train
 CONFIGS = sorted((ROOT / "experiments" / "fedmrl").glob("*.toml"))
 
 
-def request(arch: str = "mlp", *, d1: int = 3, rep_dim: int = 8, classes: int = 4, size: int = 16, channels: int = 1,
-            group: str = "cpu5", **options) -> ModelRequest:
-    cfg = build_config({"method": "fedmrl", "rep_dim": rep_dim, "model_group": group, "options": {"d1": d1, **options}},
-                       FedMRLOptions)
+def request(
+    arch: str = "mlp", *, d1: int = 3, rep_dim: int = 8, classes: int = 4, size: int = 16, channels: int = 1, group: str = "cpu5", **options
+) -> ModelRequest:
+    cfg = build_config({"method": "fedmrl", "rep_dim": rep_dim, "model_group": group, "options": {"d1": d1, **options}}, FedMRLOptions)
     return ModelRequest(arch, 0, channels, classes, size, cfg, FedMRLOptions(**cfg.options))
 
 
@@ -39,14 +36,20 @@ def test_cnn_sizes_match_table_2_and_the_spec():
     for v, n in sizes.items():
         assert count_parameters(MRLConvNet(v, 3, 32, num_classes=10)) == n
     # small model |theta| (spec Sec. 1.5): CNN-5 (hetero) / CNN-1 (homo) with FC2 = d1
-    for (v, d1, classes), n in {(5, 100, 10): 465_658, (5, 200, 10): 516_758, (5, 500, 10): 670_058,
-                                (5, 100, 100): 474_748, (5, 200, 100): 534_848, (5, 500, 100): 715_148,
-                                (1, 100, 10): 1_817_158, (1, 500, 10): 2_621_558}.items():
+    for (v, d1, classes), n in {
+        (5, 100, 10): 465_658,
+        (5, 200, 10): 516_758,
+        (5, 500, 10): 670_058,
+        (5, 100, 100): 474_748,
+        (5, 200, 100): 534_848,
+        (5, 500, 100): 715_148,
+        (1, 100, 10): 1_817_158,
+        (1, 500, 10): 2_621_558,
+    }.items():
         g = small_model(v, in_channels=3, image_size=32, d1=d1, num_classes=classes)
         assert count_parameters(g) == n
     g = small_model(5, in_channels=3, image_size=32, d1=200, num_classes=10)
-    assert [k for k, _ in g.named_parameters()] == [f"{layer}.{p}" for layer in ("conv1", "conv2", "fc1", "fc2", "fc3")
-                                                    for p in ("weight", "bias")]
+    assert [k for k, _ in g.named_parameters()] == [f"{layer}.{p}" for layer in ("conv1", "conv2", "fc1", "fc2", "fc3") for p in ("weight", "bias")]
     assert g.fc1.in_features == 800 and MRLConvNet(2, 3, 32).fc1.in_features == 400
     # client k gets CNN-(k mod 5 + 1); the projector is Linear(d1 + 500 -> 500)
     assert assign_archs("fedmrl-cnn5", 7) == ["mrl-cnn1", "mrl-cnn2", "mrl-cnn3", "mrl-cnn4", "mrl-cnn5", "mrl-cnn1", "mrl-cnn2"]
@@ -70,6 +73,7 @@ def test_fusion_and_matryoshka_heads_are_the_papers_equations():
     assert torch.equal(coarse, fused[:, :3]) and torch.equal(fine, fused)
     assert coarse.data_ptr() == fine.data_ptr()  # nested: the coarse one is a prefix of the fine one
     y_g, y_f = model.heads(x)
+    assert model.small.fc3 is not None
     # Eqs. 6-7: the global header reads the projected prefix, not G^ex's own output
     assert torch.allclose(y_g, model.small.fc3(fused[:, :3])) and not torch.allclose(y_g, model.small(x))
     assert torch.allclose(y_f, model.local.head(fused)) and y_g.shape == y_f.shape == (5, 4)
@@ -95,6 +99,7 @@ def test_leakage_context_is_the_small_model_named_like_its_messages():
     from attacks.context import LeakageModule
 
     ctx = FedMRL.leakage_context("small_model")
+    assert ctx is not None
     assert (ctx.previous, ctx.module, ctx.prefix, ctx.readout) == ("small_model", "small", "", "logits") and ctx.note
     req = request("mlp", d1=3, rep_dim=8)
     client = FedMRL.build_client_model(req)
@@ -106,8 +111,10 @@ def test_leakage_context_is_the_small_model_named_like_its_messages():
 
 
 def test_weighted_average_averages_every_upload():
-    ups = [Message(0, f"client{k}", "server", "small_model", {"w": torch.full((2, 2), float(k)), "b": torch.tensor([k * 2.0])},
-                   {"num_samples": n}) for k, n in ((0, 1), (1, 3), (4, 4))]
+    ups = [
+        Message(0, f"client{k}", "server", "small_model", {"w": torch.full((2, 2), float(k)), "b": torch.tensor([k * 2.0])}, {"num_samples": n})
+        for k, n in ((0, 1), (1, 3), (4, 4))
+    ]
     avg = weighted_average(ups)
     assert torch.allclose(avg["w"], torch.full((2, 2), (0 * 1 + 1 * 3 + 4 * 4) / 8))  # 2.375, not the last client's 4
     assert torch.allclose(avg["b"], torch.tensor([2 * 2.375])) and avg["w"].dtype == torch.float32
@@ -125,9 +132,20 @@ def test_options_are_checked():
 def trainer(tmp_path: Path, **values):
     from privfl.engine import Trainer
 
-    base = {"method": "fedmrl", "subsample": 400, "partition": "iid", "rounds": 1, "progress": False, "batch_size": 32,
-            "num_clients": 4, "model_group": "cpu5", "rep_dim": 16, "out_dir": str(tmp_path), "device": "cpu",
-            "options": {"d1": 8}}
+    base = {
+        "method": "fedmrl",
+        "subsample": 400,
+        "partition": "iid",
+        "rounds": 1,
+        "progress": False,
+        "batch_size": 32,
+        "num_clients": 4,
+        "model_group": "cpu5",
+        "rep_dim": 16,
+        "out_dir": str(tmp_path),
+        "device": "cpu",
+        "options": {"d1": 8},
+    }
     cfg = build_config({**base, **values}, FedMRLOptions)
     return Trainer(cfg, tmp_path / "run")
 
@@ -160,16 +178,35 @@ def test_round_downloads_to_selected_and_averages_what_it_received(tmp_path):
     last = sent[-1]
     assert any(not torch.allclose(glob[k], last[k]) for k in glob)  # not the last client's upload
     own = [c.model.small.state_dict() for c in selected]
-    assert not torch.allclose(glob["fc2.weight"].double(), sum(w * s["fc2.weight"].double() for w, s in zip(weights, own)) / sum(weights),
-                              atol=1e-4)  # the clients' own (noise-free) models were not read
+    assert not torch.allclose(
+        glob["fc2.weight"].double(), sum(w * s["fc2.weight"].double() for w, s in zip(weights, own)) / sum(weights), atol=1e-4
+    )  # the clients' own (noise-free) models were not read
     # the download each client trained from is the server's previous global model
     start = t.capture.load(downs[0])
     assert all(torch.equal(start[k], t.capture.load(d)[k]) for d in downs for k in start)
 
 
 #: the default cpu5 group (five different SplitModels), momentum as the official code
-RUN_ARGS = ["fedmrl", "--subsample", "2000", "--num-clients", "5", "--partition", "iid", "--batch-size", "32",
-            "--rounds", "3", "--local-epochs", "2", "--lr", "0.02", "--momentum", "0.9", "--no-progress"]
+RUN_ARGS = [
+    "fedmrl",
+    "--subsample",
+    "2000",
+    "--num-clients",
+    "5",
+    "--partition",
+    "iid",
+    "--batch-size",
+    "32",
+    "--rounds",
+    "3",
+    "--local-epochs",
+    "2",
+    "--lr",
+    "0.02",
+    "--momentum",
+    "0.9",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +236,17 @@ def test_short_run_learns_and_capture_counts_are_exact(run):
 def test_dlg_on_a_captured_small_model(run):
     from privfl.attack import main as attack_main
 
-    assert attack_main(["dlg", "--artifact", "small_model", "--run", str(run), "--clients", "0", "--steps", "3",
-                        "--batch-size", "1", "--no-progress"]) == 0
+    assert (
+        attack_main(["dlg", "--artifact", "small_model", "--run", str(run), "--clients", "0", "--steps", "3", "--batch-size", "1", "--no-progress"])
+        == 0
+    )
     data = json.loads((run / "attacks" / "dlg-small_model-r2" / "metrics.json").read_text())
     assert len(data["images"]) == 1 and data["images"][0]["client"] == "client0"
     assert data["protocol"]["threat_model"] == "curious-server-previous-state"
 
 
 def test_killed_run_resumes_exactly(assert_resumes_exactly):
-    args = ["fedmrl", "--subsample", "300", "--num-clients", "3", "--partition", "iid", "--rounds", "2",
-            "--rep-dim", "32", "--d1", "16"]
+    args = ["fedmrl", "--subsample", "300", "--num-clients", "3", "--partition", "iid", "--rounds", "2", "--rep-dim", "32", "--d1", "16"]
     assert_resumes_exactly(args, kill_round=1, kill_after=4)  # after round 1's 3 downloads and 1 upload
 
 

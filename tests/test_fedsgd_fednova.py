@@ -31,8 +31,17 @@ def trainer(tmp_path: Path, method: str, **values):
     """An engine Trainer built in-process, so a test can look at client models mid-round."""
     from privfl.engine import Trainer
 
-    base = {"method": method, "subsample": 300, "partition": "iid", "rounds": 1, "progress": False,
-            "batch_size": 32, "model_group": "homo-cnn4", "out_dir": str(tmp_path), "device": "cpu"}
+    base = {
+        "method": method,
+        "subsample": 300,
+        "partition": "iid",
+        "rounds": 1,
+        "progress": False,
+        "batch_size": 32,
+        "model_group": "homo-cnn4",
+        "out_dir": str(tmp_path),
+        "device": "cpu",
+    }
     cfg = build_config({**base, **values}, METHODS.get(method).Options)
     return Trainer(cfg, tmp_path / "run")
 
@@ -64,7 +73,8 @@ def test_fedsgd_grad_is_one_batch_gradient_and_server_takes_one_step(tmp_path):
     split = load_file(str(run / "truth" / "partition.safetensors"))
     subset = split["subset"]
 
-    weighted, total = {}, 0
+    weighted: dict[str, torch.Tensor] = {}
+    total = 0
     for rec in ups:
         t = truth.load(truth_by_seq[rec["seq"]])
         idx = t["indices"]
@@ -79,7 +89,7 @@ def test_fedsgd_grad_is_one_batch_gradient_and_server_takes_one_step(tmp_path):
         sent = capture.load(rec)
         assert set(sent) == {k for k, _ in model.named_parameters()}
         for k, p in model.named_parameters():
-            assert torch.allclose(sent[k], p.grad, rtol=1e-4, atol=1e-6), k
+            assert p.grad is not None and torch.allclose(sent[k], p.grad, rtol=1e-4, atol=1e-6), k
             weighted[k] = weighted.get(k, 0) + 32 * sent[k].double()
         total += 32
     # the batches differ between clients (seeded per client)

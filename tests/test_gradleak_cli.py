@@ -34,8 +34,12 @@ def test_dlg_on_a_fedsgd_gradient_recovers_the_image(runs):
 
 @pytest.mark.parametrize("variant,method,kind", [("idlg", "fednova", "update"), ("ig", "fedavg", "model")])
 def test_variants_run_on_updates_and_models(runs, variant, method, kind):
-    assert attack_main([variant, "--artifact", kind, "--run", str(runs / method), "--clients", "1", "--steps", "3",
-                        "--batch-size", "2", "--no-progress"]) == 0
+    assert (
+        attack_main(
+            [variant, "--artifact", kind, "--run", str(runs / method), "--clients", "1", "--steps", "3", "--batch-size", "2", "--no-progress"]
+        )
+        == 0
+    )
     folder = runs / method / "attacks" / f"{variant}-{kind}-r0"
     data = json.loads((folder / "metrics.json").read_text())
     assert len(data["images"]) == 2 and (folder / "gallery.png").exists()
@@ -60,7 +64,9 @@ def test_a_leakage_module_named_unlike_the_messages_is_refused(runs, capsys, mon
     from privfl.methods.fedsgd import FedSGD
 
     monkeypatch.setattr(FedSGD, "leakage", {"grad": LeakageContext(previous="model", prefix="backbone.")})
-    code = run_cli("privfl.attack", lambda: attack_main(["dlg", "--artifact", "grad", "--run", str(runs / "fedsgd"),
-                                                        "--clients", "0", "--steps", "2", "--no-progress"]))
+    code = run_cli(
+        "privfl.attack",
+        lambda: attack_main(["dlg", "--artifact", "grad", "--run", str(runs / "fedsgd"), "--clients", "0", "--steps", "2", "--no-progress"]),
+    )
     text = capsys.readouterr().err.strip()
     assert code == 2 and "shares no tensor names" in text and len(text.splitlines()) == 1, text

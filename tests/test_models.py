@@ -199,7 +199,7 @@ def test_build_is_deterministic_given_seed():
 
 def test_vit_pads_non_multiple_sizes():
     model = _build("vit_b_32", in_channels=1, num_classes=10, image_size=28)
-    vit = model.features[1]
+    vit = model.features.get_submodule("1")
     assert vit.image_size == 32
     model32 = _build("vit_b_16", in_channels=3, num_classes=10, image_size=32)
     assert model32.features.image_size == 32  # no padding wrapper when already a multiple

@@ -32,7 +32,7 @@ def scheme_kwargs(scheme: str) -> dict:
 
 def test_registered() -> None:
     assert set(PARTITIONS.names()) >= {"iid", "dir", "pat", "exdir", "longtail"}
-    with pytest.raises(UnknownNameError, match="accepted: .*dir"):
+    with pytest.raises(UnknownNameError, match=r"accepted: .*dir"):
         partition_indices(LABELS, 5, "nope", 0)
 
 

@@ -50,8 +50,7 @@ MEAN, STD = 0.5, 0.5  # privfl's normalisation of every dataset: inputs in [-1, 
 
 
 def _request(num_classes: int, seed: int, width: int) -> ModelRequest:
-    cfg = build_config({"method": "drdfl", "seed": seed, "options": {"width": width, "persona_width": width,
-                                                                     "decoder_width": width}}, DRDFL.Options)
+    cfg = build_config({"method": "drdfl", "seed": seed, "options": {"width": width, "persona_width": width, "decoder_width": width}}, DRDFL.Options)
     return ModelRequest("cnn4", 0, 3, num_classes, 32, cfg, DRDFL.Options(**cfg.options))
 
 
@@ -65,8 +64,9 @@ def attacker_probe(req: ModelRequest, example: torch.Tensor, seed: int) -> Leaka
         return LeakageModule(body, DRDFL.leakage["learngene"], req.num_classes, example).eval()
 
 
-def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, steps: int = 200, seed: int = 0,
-                     width: int = 8) -> Iterator[tuple[dict, torch.Tensor]]:
+def attack_learngene(
+    dataset: str, images: torch.Tensor, labels: torch.Tensor, steps: int = 200, seed: int = 0, width: int = 8
+) -> Iterator[tuple[dict, torch.Tensor]]:
     """DLG on one-step Learngene messages of ``images`` ((N, 3, 32, 32) in [0, 1]); see the module docstring."""
     num_classes = 100 if dataset == "cifar100" else 10
     cfg = GradLeakConfig.preset("dlg", steps=steps, snapshots=max(1, steps // 10))
@@ -82,8 +82,16 @@ def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, s
         opt.zero_grad()
         losses["train_loss"].backward()
         opt.step()
-        sent = Channel(None, None).send(Message(0, f"client{i}", f"client{i + 1}", "learngene", DRDFL.learngene_tensors(model),
-                                                {"lr": LR, "num_samples": 1, "local_epochs": 1, "batch_size": 1}))
+        sent = Channel(None, None).send(
+            Message(
+                0,
+                f"client{i}",
+                f"client{i + 1}",
+                "learngene",
+                DRDFL.learngene_tensors(model),
+                {"lr": LR, "num_samples": 1, "local_epochs": 1, "batch_size": 1},
+            )
+        )
         probe = attacker_probe(req, torch.zeros_like(x).expand(2, -1, -1, -1), derive_seed(seed, "drdfl-probe", dataset, i))
         probe.load_state_dict(probe.to_module_names(start), strict=False)  # the attacker knows phi_start (strongest case)
         names = {n for n, _ in probe.named_parameters()}
@@ -92,9 +100,17 @@ def attack_learngene(dataset: str, images: torch.Tensor, labels: torch.Tensor, s
         t0 = time.perf_counter()
         res = leak(probe, target, (3, 32, 32), num_classes, cfg, seed=derive_seed(seed, "dlg-drdfl", dataset, i))
         rec = (res.images * STD + MEAN).clamp(0, 1)
-        row = {"dataset": dataset, "system": "DRDFL Learngene", "victim": f"drdfl-w{width}", "image": i, "label": int(y),
-               "label_recovered": int(res.labels[0]), "psnr": float(psnr(rec, images[i : i + 1])[0]),
-               "ssim": float(ssim(rec, images[i : i + 1])[0]), "seconds": round(time.perf_counter() - t0, 2)}
+        row = {
+            "dataset": dataset,
+            "system": "DRDFL Learngene",
+            "victim": f"drdfl-w{width}",
+            "image": i,
+            "label": int(y),
+            "label_recovered": int(res.labels[0]),
+            "psnr": float(psnr(rec, images[i : i + 1])[0]),
+            "ssim": float(ssim(rec, images[i : i + 1])[0]),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
         yield row, rec[0]
 
 
@@ -109,8 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2:  # a round-0 Learngene has no previous state to difference against
         p.error("--rounds must be at least 2: the attack needs a Learngene its sender received in an earlier round")
     out = Path(args.out or tempfile.mkdtemp(prefix="drdfl-fig9-"))
-    run = privfl.train("drdfl", subsample=2000, partition="iid", num_clients=4, rounds=args.rounds, model_group="homo-cnn4",
-                       global_test_samples=200, progress=False, seed=args.seed, out_dir=str(out), run_name="train")
+    run = privfl.train(
+        "drdfl",
+        subsample=2000,
+        partition="iid",
+        num_clients=4,
+        rounds=args.rounds,
+        model_group="homo-cnn4",
+        global_test_samples=200,
+        progress=False,
+        seed=args.seed,
+        out_dir=str(out),
+        run_name="train",
+    )
     report = attacks.run_attack(run, "dlg", kind="learngene", options={"steps": args.steps, "max_batch": 1}, seed=args.seed)
     summary = report.summary
     print(f"DRDFL Learngene, captured messages of round {report.round}: PSNR {summary['psnr']:.2f} dB, SSIM {summary['ssim']:.3f}")

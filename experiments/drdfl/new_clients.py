@@ -48,15 +48,22 @@ def main(argv: list[str] | None = None) -> int:
         values = read_config_file(PAPER_CONFIG)
         args.old, args.new, args.stage1, args.stage2 = 15, 5, 200, 100
     else:
-        values = {"method": "drdfl", "dataset": "fashionmnist", "subsample": 4000, "partition": "pat", "classes_per_client": 4,
-                  "balanced": True, "model_group": "homo-cnn4", "options": {"global_test_samples": 400}}
+        values = {
+            "method": "drdfl",
+            "dataset": "fashionmnist",
+            "subsample": 4000,
+            "partition": "pat",
+            "classes_per_client": 4,
+            "balanced": True,
+            "model_group": "homo-cnn4",
+            "options": {"global_test_samples": 400},
+        }
     if args.data_root:
         values["data_root"] = args.data_root
     total = args.old + args.new
     options = dict(values.pop("options", {}))
     options["failures"] = ",".join(f"{m}@0-{args.stage1 - 1}" for m in range(args.old, total))
-    values.update(num_clients=total, rounds=args.stage1, seed=args.seed, out_dir=args.out, run_name="stage1", progress=False,
-                  options=options)
+    values.update(num_clients=total, rounds=args.stage1, seed=args.seed, out_dir=args.out, run_name="stage1", progress=False, options=options)
     out = Path(args.out)
     if (out / "stage1").exists():
         shutil.rmtree(out / "stage1")
@@ -67,15 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         run = out / variant
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(out / "stage1", run)
-        cfg = build_config({**values, "rounds": args.stage1 + args.stage2, "run_name": variant,
-                            "options": {**options, "join_adopt": adopt}}, DRDFL.Options)
+        cfg = build_config(
+            {**values, "rounds": args.stage1 + args.stage2, "run_name": variant, "options": {**options, "join_adopt": adopt}}, DRDFL.Options
+        )
         save_config(cfg, run)  # the copy continues under stage 2's config (more rounds, the join rule)
         finished = resume(run, cfg)
-        curve = [sum(h["client_acc"][args.old:]) / args.new for h in finished.metrics[args.stage1:]]
+        curve = [sum(h["client_acc"][args.old :]) / args.new for h in finished.metrics[args.stage1 :]]
         results[variant] = curve
         print(f"{variant:<15} new clients' mean accuracy per stage-2 round: {' '.join(f'{a:.3f}' for a in curve)}")
-    (out / "new_clients.json").write_text(json.dumps({"old": args.old, "new": args.new, "stage1": args.stage1,
-                                                       "stage2": args.stage2, "curves": results}, indent=2) + "\n")
+    (out / "new_clients.json").write_text(
+        json.dumps({"old": args.old, "new": args.new, "stage1": args.stage1, "stage2": args.stage2, "curves": results}, indent=2) + "\n"
+    )
     return 0
 
 

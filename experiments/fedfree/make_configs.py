@@ -18,17 +18,38 @@ import tomli_w
 HERE = Path(__file__).resolve().parent
 
 BASE = {
-    "method": "fedfree", "data_root": "data", "join_ratio": 1.0, "rounds": 200, "local_epochs": 5, "batch_size": 10,
-    "optimizer": "sgd", "lr": 0.01, "train_fraction": 0.75, "seed": 0, "device": "auto", "eval_batch_size": 256,
+    "method": "fedfree",
+    "data_root": "data",
+    "join_ratio": 1.0,
+    "rounds": 200,
+    "local_epochs": 5,
+    "batch_size": 10,
+    "optimizer": "sgd",
+    "lr": 0.01,
+    "train_fraction": 0.75,
+    "seed": 0,
+    "device": "auto",
+    "eval_batch_size": 256,
     "partition": "dominant",
 }
-OPTIONS = {"k": 2, "selection": "topk", "server_update": "align", "server_lr": 0.01, "server_steps": 1, "pseudo_batch": 64,
-           "match": "depth", "mismatch": "overlap", "kge_candidates": "mapped", "fill": "keep", "kge_bins": 256,
-           "global_arch": "fedfree-cnn"}
+OPTIONS = {
+    "k": 2,
+    "selection": "topk",
+    "server_update": "align",
+    "server_lr": 0.01,
+    "server_steps": 1,
+    "pseudo_batch": 64,
+    "match": "depth",
+    "mismatch": "overlap",
+    "kge_candidates": "mapped",
+    "fill": "keep",
+    "kge_bins": 256,
+    "global_arch": "fedfree-cnn",
+}
 
 
 def configs() -> dict[str, tuple[dict, dict]]:
-    out = {}
+    out: dict[str, tuple[dict, dict]] = {}
     for dataset in ("cifar10", "cifar100"):
         for n in (10, 20, 100):
             for setting, group in (("hete", "fedfree8-random"), ("homo", "fedfree-homo")):

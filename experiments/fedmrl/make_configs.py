@@ -46,16 +46,37 @@ GROUPS = {"hete": "fedmrl-cnn5", "homo": "fedmrl-homo-cnn1"}
 
 def base(dataset: str, num_clients: int, join_ratio: float) -> dict:
     return {
-        "method": "fedmrl", "dataset": dataset, "data_root": "data", "num_clients": num_clients,
-        "join_ratio": join_ratio, "rounds": 500, "local_epochs": 10, "batch_size": 512, "optimizer": "sgd",
-        "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-3, "rep_dim": 500, "mapping": "ap", "train_fraction": 0.8,
-        "seed": 0, "device": "auto", "eval_batch_size": 512,
+        "method": "fedmrl",
+        "dataset": dataset,
+        "data_root": "data",
+        "num_clients": num_clients,
+        "join_ratio": join_ratio,
+        "rounds": 500,
+        "local_epochs": 10,
+        "batch_size": 512,
+        "optimizer": "sgd",
+        "lr": 0.01,
+        "momentum": 0.9,
+        "weight_decay": 1e-3,
+        "rep_dim": 500,
+        "mapping": "ap",
+        "train_fraction": 0.8,
+        "seed": 0,
+        "device": "auto",
+        "eval_batch_size": 512,
     }
 
 
 def options(dataset: str) -> dict:
-    return {"d1": D1[dataset], "small_model": "auto", "loss_weight_global": 1.0, "loss_weight_local": 1.0,
-            "grad_clip": 50.0, "projector_bias": True, "inference": "mix-large"}
+    return {
+        "d1": D1[dataset],
+        "small_model": "auto",
+        "loss_weight_global": 1.0,
+        "loss_weight_local": 1.0,
+        "grad_clip": 50.0,
+        "projector_bias": True,
+        "inference": "mix-large",
+    }
 
 
 def main() -> None:

@@ -21,16 +21,34 @@ import tomli_w
 HERE = Path(__file__).parent
 PAT_CLASSES = {"cifar10": 2, "cifar100": 10, "tinyimagenet": 20}
 HOMO = {"cifar10": "homo-cnn4", "cifar100": "homo-cnn4", "tinyimagenet": "homo-resnet18"}
-SERVER = {"re": "rap", "weight_dist": "uniform", "sampling": "resample", "server_lr": 0.01, "server_batch": 10,
-          "server_epochs": 1, "server_reduction": "sum"}
+SERVER = {
+    "re": "rap",
+    "weight_dist": "uniform",
+    "sampling": "resample",
+    "server_lr": 0.01,
+    "server_batch": 10,
+    "server_epochs": 1,
+    "server_reduction": "sum",
+}
 
 
 def base(dataset: str) -> dict:
     return {
-        "method": "fedre", "dataset": dataset, "data_root": "data", "num_clients": 10, "join_ratio": 1.0,
-        "rounds": 100, "local_epochs": 1, "batch_size": 64 if dataset == "tinyimagenet" else 32,
-        "optimizer": "sgd", "rep_dim": 512, "mapping": "ap", "train_fraction": 0.75, "seed": 0,
-        "device": "auto", "eval_batch_size": 256,
+        "method": "fedre",
+        "dataset": dataset,
+        "data_root": "data",
+        "num_clients": 10,
+        "join_ratio": 1.0,
+        "rounds": 100,
+        "local_epochs": 1,
+        "batch_size": 64 if dataset == "tinyimagenet" else 32,
+        "optimizer": "sgd",
+        "rep_dim": 512,
+        "mapping": "ap",
+        "train_fraction": 0.75,
+        "seed": 0,
+        "device": "auto",
+        "eval_batch_size": 256,
     }
 
 
@@ -56,9 +74,12 @@ def main() -> None:
                 written.append(write(f"{dataset}_{setting}_{models}", cfg))
     # [001] Table 3: CIFAR-10, PRA, 100 clients, 10/100 and 20/100 participation, alpha 0.07/0.1, long tail
     for ratio in (0.1, 0.2):
-        for tag, extra in (("a0.07", {"partition": "dir", "alpha": 0.07}), ("a0.1", {"partition": "dir", "alpha": 0.1}),
-                           ("if100", {"partition": "longtail", "alpha": 0.07, "imbalance_factor": 100.0}),
-                           ("if50", {"partition": "longtail", "alpha": 0.07, "imbalance_factor": 50.0})):
+        for tag, extra in (
+            ("a0.07", {"partition": "dir", "alpha": 0.07}),
+            ("a0.1", {"partition": "dir", "alpha": 0.1}),
+            ("if100", {"partition": "longtail", "alpha": 0.07, "imbalance_factor": 100.0}),
+            ("if50", {"partition": "longtail", "alpha": 0.07, "imbalance_factor": 50.0}),
+        ):
             cfg = {**base("cifar10"), "model_group": "htm10", "lr": 0.06, "num_clients": 100, "join_ratio": ratio, **extra}
             cfg["options"] = dict(SERVER)
             written.append(write(f"cifar10_partial{int(ratio * 100)}of100_{tag}", cfg))

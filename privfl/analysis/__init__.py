@@ -9,5 +9,4 @@ from privfl.analysis.loading import RunModels
 from privfl.analysis.modules import resolve_spatial_module, trace_outputs
 from privfl.analysis.tsne import Space, collect, embed, separation
 
-__all__ = ["GradCamResult", "RunModels", "Space", "collect", "embed", "resolve_spatial_module", "run_gradcam", "separation",
-           "trace_outputs"]
+__all__ = ["GradCamResult", "RunModels", "Space", "collect", "embed", "resolve_spatial_module", "run_gradcam", "separation", "trace_outputs"]

@@ -17,7 +17,7 @@ import io
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -57,13 +57,20 @@ class GradCamResult:
     def consistency(self) -> dict[str, float | None]:
         """Per module: mean pairwise cosine similarity between clients' maps of the same image."""
         if not self.same_images or len(self.rows) < 2:
-            return {m: None for m in self.modules}
+            return dict.fromkeys(self.modules)
         out: dict[str, float | None] = {}
         for m in self.modules:
-            sims = [F.cosine_similarity(a.maps[m].flatten(1), b.maps[m].flatten(1), dim=1, eps=1e-12)
-                    for a, b in itertools.combinations(self.rows, 2)]
+            sims = [
+                F.cosine_similarity(a.maps[m].flatten(1), b.maps[m].flatten(1), dim=1, eps=1e-12) for a, b in itertools.combinations(self.rows, 2)
+            ]
             out[m] = float(torch.stack(sims).mean())
         return out
+
+
+def _spatial_size(shape: tuple[int, ...] | None) -> tuple[int, int]:
+    """(h, w) of a traced output that resolve_spatial_module accepted, i.e. shaped (B, C, h, w)."""
+    assert shape is not None
+    return cast(tuple[int, int], tuple(shape[2:]))
 
 
 def own_images(rm: RunModels, k: int, class_index: int | None) -> tuple[torch.Tensor, str]:
@@ -80,9 +87,19 @@ def own_images(rm: RunModels, k: int, class_index: int | None) -> tuple[torch.Te
     return ids, split
 
 
-def run_gradcam(rm: RunModels, modules: Sequence[str], *, clients: Sequence[int] | None = None, class_index: int | None = None,
-                per_client: int = 2, max_clients: int = 4, same_images: bool = False, target: str = "auto", seed: int = 0,
-                progress: Callable[[Any], Any] = lambda it: it) -> GradCamResult:
+def run_gradcam(
+    rm: RunModels,
+    modules: Sequence[str],
+    *,
+    clients: Sequence[int] | None = None,
+    class_index: int | None = None,
+    per_client: int = 2,
+    max_clients: int = 4,
+    same_images: bool = False,
+    target: str = "auto",
+    seed: int = 0,
+    progress: Callable[[Any], Any] = lambda it: it,
+) -> GradCamResult:
     """Grad-CAM maps of ``modules`` for each chosen client's images (see module docstring).
 
     Without ``clients``: the first ``max_clients`` clients that have images of the class and in whose
@@ -136,9 +153,17 @@ def run_gradcam(rm: RunModels, modules: Sequence[str], *, clients: Sequence[int]
         labels = data.labels.to(scores.device)
         targets = labels if class_index is None else torch.full_like(labels, class_index)
         probs = scores.softmax(1).gather(1, targets[:, None])[:, 0]
-        row = ClientMaps(k, rm.info["archs"][k], data, split, targets.cpu(), scores.argmax(1).cpu(), probs.cpu(),
-                         {m: name for m, (name, _) in layers.items()},
-                         {m: tuple(traced[name].shape[2:]) for m, (name, _) in layers.items()})
+        row = ClientMaps(
+            k,
+            rm.info["archs"][k],
+            data,
+            split,
+            targets.cpu(),
+            scores.argmax(1).cpu(),
+            probs.cpu(),
+            {m: name for m, (name, _) in layers.items()},
+            {m: _spatial_size(traced[name].shape) for m, (name, _) in layers.items()},
+        )
         for m, (_, layer) in layers.items():
             attr = LayerGradCam(forward, layer).attribute(data.x, target=targets.tolist(), relu_attributions=True)
             up = LayerAttribution.interpolate(attr, tuple(data.x.shape[-2:]), "bilinear")  # (n, 1, H, W)
@@ -180,8 +205,7 @@ def plot_gradcam(result: GradCamResult, class_names: Sequence[str], title: str, 
         img = row.data.images[i]
         img_np = img[0].numpy() if img.shape[0] == 1 else img.permute(1, 2, 0).numpy()
         label = class_names[int(row.data.labels[i])]
-        fig.text((left - 0.08) / fig_w, (y0 + cell / 2) / fig_h, f"client{row.client}\n{row.arch}\n{label}",
-                 ha="right", va="center", fontsize=7.5)
+        fig.text((left - 0.08) / fig_w, (y0 + cell / 2) / fig_h, f"client{row.client}\n{row.arch}\n{label}", ha="right", va="center", fontsize=7.5)
         for c in range(ncols):
             x0 = left + c * (cell + pad)
             ax = fig.add_axes((x0 / fig_w, y0 / fig_h, cell / fig_w, cell / fig_h))
@@ -206,15 +230,26 @@ def describe(result: GradCamResult, rm: RunModels) -> dict[str, Any]:
     images = []
     for row in result.rows:
         for i in range(len(row.data.ids)):
-            images.append({
-                "client": row.client, "arch": row.arch, "split": row.split, "pool_index": int(row.data.ids[i]),
-                "label": int(row.data.labels[i]), "label_name": names[int(row.data.labels[i])],
-                "target": int(row.targets[i]), "target_name": names[int(row.targets[i])],
-                "predicted": int(row.predicted[i]), "target_prob": round(float(row.target_prob[i]), 6),
-                "map_max": {m: float(row.maps[m][i].max()) for m in result.modules},
-            })
+            images.append(
+                {
+                    "client": row.client,
+                    "arch": row.arch,
+                    "split": row.split,
+                    "pool_index": int(row.data.ids[i]),
+                    "label": int(row.data.labels[i]),
+                    "label_name": names[int(row.data.labels[i])],
+                    "target": int(row.targets[i]),
+                    "target_name": names[int(row.targets[i])],
+                    "predicted": int(row.predicted[i]),
+                    "target_prob": round(float(row.target_prob[i]), 6),
+                    "map_max": {m: float(row.maps[m][i].max()) for m in result.modules},
+                }
+            )
     return {
-        "run": str(rm.run_dir), "method": rm.method, "round": rm.round, "dataset": rm.config["dataset"],
+        "run": str(rm.run_dir),
+        "method": rm.method,
+        "round": rm.round,
+        "dataset": rm.config["dataset"],
         "modules": result.modules,
         "class": None if result.class_index is None else {"index": result.class_index, "name": names[result.class_index]},
         "target_rule": "each image's true label" if result.class_index is None else "the given class",
@@ -224,8 +259,12 @@ def describe(result: GradCamResult, rm: RunModels) -> dict[str, Any]:
         "map": "captum LayerGradCam, ReLU'd, bilinear upsampling to the input size; figure normalises each map to its max",
         "image_size": list(result.rows[0].data.x.shape[-2:]),
         "same_images": result.same_images,
-        "layout": {"columns": ["ground truth", *result.modules], "rows": len(images),
-                   "row_order": "client, then image", "clients": [row.client for row in result.rows]},
+        "layout": {
+            "columns": ["ground truth", *result.modules],
+            "rows": len(images),
+            "row_order": "client, then image",
+            "clients": [row.client for row in result.rows],
+        },
         "consistency_mean_pairwise_cosine": result.consistency(),
         "skipped_clients": {f"client{k}": why for k, why in result.skipped.items()},
         "images": images,
@@ -243,4 +282,4 @@ def map_tensors(result: GradCamResult) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["ClientMaps", "GradCamResult", "own_images", "describe", "map_tensors", "plot_gradcam", "run_gradcam"]
+__all__ = ["ClientMaps", "GradCamResult", "describe", "map_tensors", "own_images", "plot_gradcam", "run_gradcam"]

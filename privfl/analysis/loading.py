@@ -13,8 +13,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +22,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
+
+if TYPE_CHECKING:
+    from privfl.methods.base import FLMethod
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]
 
@@ -85,8 +87,9 @@ class RunModels:
         try:
             pointer = json.loads((self.run_dir / "checkpoint" / "checkpoint.json").read_text())
         except FileNotFoundError:
-            raise CaptureError(f"{self.run_dir} cannot be analysed: checkpoint/checkpoint.json is missing "
-                               "(a run that finished at least one round has it)") from None
+            raise CaptureError(
+                f"{self.run_dir} cannot be analysed: checkpoint/checkpoint.json is missing (a run that finished at least one round has it)"
+            ) from None
         except json.JSONDecodeError as exc:
             raise CaptureError(f"{self.run_dir}: unreadable JSON ({exc})") from None
         self.round: int = int(pointer["round"])
@@ -111,7 +114,7 @@ class RunModels:
         return list(self.info["dataset"]["class_names"])
 
     @property
-    def method_cls(self) -> type:
+    def method_cls(self) -> type[FLMethod]:
         return self.run.method_cls
 
     @property
@@ -141,15 +144,16 @@ class RunModels:
             seed_global(self.cfg.seed, "init", k)
             model = self.method_cls.build_client_model(self.model_request(k))
             prefix = f"client{k}."
-            state = {key[len(prefix):]: v for key, v in self._state.items() if key.startswith(prefix)}
+            state = {key[len(prefix) :]: v for key, v in self._state.items() if key.startswith(prefix)}
             if not state:
                 raise CaptureError(f"checkpoint {self._ckpt_path.name} holds no weights of client{k}")
             try:
                 model.load_state_dict(state, strict=True)
             except RuntimeError as exc:
                 first = str(exc).strip().splitlines()
-                raise CaptureError(f"checkpoint weights of client{k} do not fit its rebuilt {self.info['archs'][k]} model: "
-                                   f"{' '.join(s.strip() for s in first[:3])}") from None
+                raise CaptureError(
+                    f"checkpoint weights of client{k} do not fit its rebuilt {self.info['archs'][k]} model: {' '.join(s.strip() for s in first[:3])}"
+                ) from None
             self._models[k] = model.to(self.device).eval()
         return self._models[k]
 
@@ -173,8 +177,10 @@ class RunModels:
         def check(out: Any, what: str) -> None:
             if not (isinstance(out, torch.Tensor) and out.shape == (probe.shape[0], num_classes)):
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ConfigError(f"{what} of client{k} ({self.method}) gives {got}, not class scores (batch, {num_classes}); "
-                                  f"use --target {'model' if what.startswith('predict') else 'predict'}")
+                raise ConfigError(
+                    f"{what} of client{k} ({self.method}) gives {got}, not class scores (batch, {num_classes}); "
+                    f"use --target {'model' if what.startswith('predict') else 'predict'}"
+                )
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             return model(x)
@@ -189,8 +195,9 @@ class RunModels:
                     out = shell.predict(client, probe)
             except (AttributeError, KeyError, NotImplementedError) as exc:
                 if target == "predict":
-                    raise ConfigError(f"{self.method}.predict needs more than client{k}'s model ({type(exc).__name__}: {exc}); "
-                                      "use --target model") from None
+                    raise ConfigError(
+                        f"{self.method}.predict needs more than client{k}'s model ({type(exc).__name__}: {exc}); use --target model"
+                    ) from None
             else:
                 check(out, "predict")
                 return (lambda x: shell.predict(client, x)), f"{self.method_cls.__name__}.predict (client model only)"

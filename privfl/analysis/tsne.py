@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -75,14 +75,15 @@ def client_vectors(rm: RunModels, k: int, space: Space, ids: torch.Tensor, batch
     if space.feature == "rep":
         if not callable(getattr(model, "represent", None)):
             raise ConfigError(f"client{k}'s model ({type(model).__name__}) has no represent(x); use --space module:NAME")
-        compute = model.represent
+        compute = cast(Callable[[torch.Tensor], torch.Tensor], model.represent)  # checked callable above
     else:
-        name = space.feature[len("module:"):]
+        name = space.feature[len("module:") :]
         modules = dict(model.named_modules())
         if name not in modules or not name:
             shown = ", ".join(n for n in list(modules)[1:41])
-            raise ConfigError(f"unknown module {name!r} in client{k}'s model ({rm.info['archs'][k]}); modules: {shown}"
-                              + (" ..." if len(modules) > 41 else ""))
+            raise ConfigError(
+                f"unknown module {name!r} in client{k}'s model ({rm.info['archs'][k]}); modules: {shown}" + (" ..." if len(modules) > 41 else "")
+            )
         forward, _ = rm.predictor(k, "auto")
         compute = _hooked(modules[name], forward, name, k)
     out = []
@@ -116,8 +117,9 @@ def _hooked(module: torch.nn.Module, forward: Callable, name: str, k: int) -> Ca
     return run
 
 
-def collect(rm: RunModels, space: Space, clients: Sequence[int] | None, max_samples: int | None, seed: int,
-            progress: Callable[[Any], Any] = lambda it: it) -> Panel:
+def collect(
+    rm: RunModels, space: Space, clients: Sequence[int] | None, max_samples: int | None, seed: int, progress: Callable[[Any], Any] = lambda it: it
+) -> Panel:
     """One run's points: prototypes over each client's whole train split, or a seeded per-client
     subsample of per-sample vectors (the same draw for every run of the same partition and seed)."""
     from privfl.methods.base import class_prototypes
@@ -143,12 +145,13 @@ def collect(rm: RunModels, space: Space, clients: Sequence[int] | None, max_samp
         counts.append(c)
     dims = sorted({v.shape[1] for v in vecs})
     if len(dims) > 1:
-        raise ConfigError(f"{space.feature} has different sizes across clients of {rm.name} ({', '.join(map(str, dims))}); "
-                          "pick clients with the same architecture (--clients) or a module with a common size")
+        raise ConfigError(
+            f"{space.feature} has different sizes across clients of {rm.name} ({', '.join(map(str, dims))}); "
+            "pick clients with the same architecture (--clients) or a module with a common size"
+        )
     if not vecs:
         raise ConfigError(f"run {rm.name}: the chosen clients have no training samples")
-    return Panel(rm, torch.cat(vecs).double().numpy(), torch.cat(classes).numpy(), torch.cat(owners).numpy(),
-                 torch.cat(counts).numpy())
+    return Panel(rm, torch.cat(vecs).double().numpy(), torch.cat(classes).numpy(), torch.cat(owners).numpy(), torch.cat(counts).numpy())
 
 
 def separation(x: np.ndarray, classes: np.ndarray, clients: np.ndarray, metric: str, knn_k: int = 5) -> dict[str, Any]:
@@ -206,8 +209,9 @@ def embed(panel: Panel, seed: int, metric: str, perplexity: float | None) -> Non
     panel.embedding = tsne.fit_transform(panel.vectors)
     metrics = separation(panel.vectors, panel.classes, panel.clients, metric)
     flat = separation(panel.embedding, panel.classes, panel.clients, "euclidean")
-    metrics.update({"silhouette_2d": flat["silhouette"], "knn_accuracy_2d": flat["knn_accuracy"],
-                    "perplexity": p, "kl_divergence": float(tsne.kl_divergence_)})
+    metrics.update(
+        {"silhouette_2d": flat["silhouette"], "knn_accuracy_2d": flat["knn_accuracy"], "perplexity": p, "kl_divergence": float(tsne.kl_divergence_)}
+    )
     panel.metrics = metrics
 
 
@@ -232,30 +236,55 @@ def plot_panels(panels: Sequence[Panel], space: Space, title: str, dpi: int = 10
     clients_seen: set[int] = set()
     classes_seen: set[int] = set()
     for i, p in enumerate(panels):
+        assert p.embedding is not None  # embedded before plotting
         ax = fig.add_subplot(nrows, ncols, i + 1)
         ax.set_xticks([])
         ax.set_yticks([])
         size = 36 if space.prototypes else 10
         for k in np.unique(p.clients):
             sel = p.clients == k
-            ax.scatter(p.embedding[sel, 0], p.embedding[sel, 1], c=[colour[int(c)] for c in p.classes[sel]],
-                       marker=MARKERS[int(k) % len(MARKERS)], s=size, linewidths=0.3, edgecolors="black", alpha=0.9)
+            ax.scatter(
+                p.embedding[sel, 0],
+                p.embedding[sel, 1],
+                c=[colour[int(c)] for c in p.classes[sel]],
+                marker=MARKERS[int(k) % len(MARKERS)],
+                s=size,
+                linewidths=0.3,
+                edgecolors="black",
+                alpha=0.9,
+            )
             clients_seen.add(int(k))
         classes_seen.update(int(c) for c in np.unique(p.classes))
         m = p.metrics or {}
         sil = "n/a" if m.get("silhouette") is None else f"{m['silhouette']:.3f}"
         knn = "n/a" if m.get("knn_accuracy") is None else f"{m['knn_accuracy']:.2f}"
         ax.set_title(f"{p.run.method} ({p.run.name[:28]})", fontsize=8.5)
-        ax.set_xlabel(f"silhouette {sil}  ·  {m.get('knn_k', 0)}-NN acc {knn}\n(original {m.get('dim')}-d space, {m.get('metric')})",
-                      fontsize=7.5)
+        ax.set_xlabel(f"silhouette {sil}  ·  {m.get('knn_k', 0)}-NN acc {knn}\n(original {m.get('dim')}-d space, {m.get('metric')})", fontsize=7.5)
     class_handles = [Line2D([], [], marker="o", ls="", color=colour[c], label=names[c][:16]) for c in sorted(classes_seen)]
-    client_handles = [Line2D([], [], marker=MARKERS[k % len(MARKERS)], ls="", color="grey", markeredgecolor="black",
-                             label=f"client{k}") for k in sorted(clients_seen)]
-    leg = fig.legend(handles=class_handles, title="class (colour)", loc="upper left", bbox_to_anchor=(right + 0.01, 0.95),
-                     fontsize=7, title_fontsize=7.5, frameon=False)
+    client_handles = [
+        Line2D([], [], marker=MARKERS[k % len(MARKERS)], ls="", color="grey", markeredgecolor="black", label=f"client{k}")
+        for k in sorted(clients_seen)
+    ]
+    leg = fig.legend(
+        handles=class_handles,
+        title="class (colour)",
+        loc="upper left",
+        bbox_to_anchor=(right + 0.01, 0.95),
+        fontsize=7,
+        title_fontsize=7.5,
+        frameon=False,
+    )
     fig.add_artist(leg)
-    fig.legend(handles=client_handles[:20], title="client (marker)", loc="lower left", bbox_to_anchor=(right + 0.01, 0.02),
-               fontsize=7, title_fontsize=7.5, frameon=False, ncols=1 if len(client_handles) <= 10 else 2)
+    fig.legend(
+        handles=client_handles[:20],
+        title="client (marker)",
+        loc="lower left",
+        bbox_to_anchor=(right + 0.01, 0.02),
+        fontsize=7,
+        title_fontsize=7.5,
+        frameon=False,
+        ncols=1 if len(client_handles) <= 10 else 2,
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
     return buf.getvalue()
@@ -264,22 +293,53 @@ def plot_panels(panels: Sequence[Panel], space: Space, title: str, dpi: int = 10
 def panel_row(p: Panel, space: Space) -> dict[str, Any]:
     """The per-run summary row (also a CSV line)."""
     m = p.metrics or {}
-    return {"run": str(p.run.run_dir), "name": p.run.name, "method": p.run.method, "round": p.run.round,
-            "space": space.feature, "prototypes": space.prototypes, "clients": int(len(np.unique(p.clients))),
-            "classes": int(len(np.unique(p.classes))), **{k: m.get(k) for k in (
-                "points", "dim", "metric", "silhouette", "knn_accuracy", "knn_k", "silhouette_by_client",
-                "silhouette_2d", "knn_accuracy_2d", "perplexity", "kl_divergence")},
-            **{k: v for k, v in m.items() if k.endswith("_note")}}
+    return {
+        "run": str(p.run.run_dir),
+        "name": p.run.name,
+        "method": p.run.method,
+        "round": p.run.round,
+        "space": space.feature,
+        "prototypes": space.prototypes,
+        "clients": int(len(np.unique(p.clients))),
+        "classes": int(len(np.unique(p.classes))),
+        **{
+            k: m.get(k)
+            for k in (
+                "points",
+                "dim",
+                "metric",
+                "silhouette",
+                "knn_accuracy",
+                "knn_k",
+                "silhouette_by_client",
+                "silhouette_2d",
+                "knn_accuracy_2d",
+                "perplexity",
+                "kl_divergence",
+            )
+        },
+        **{k: v for k, v in m.items() if k.endswith("_note")},
+    }
 
 
 def point_rows(panels: Sequence[Panel]) -> list[dict[str, Any]]:
     rows = []
     for i, p in enumerate(panels):
+        assert p.embedding is not None  # embedded before its rows are written
         names = p.run.class_names
         for j in range(len(p.vectors)):
-            rows.append({"panel": i, "run": p.run.name, "client": int(p.clients[j]), "class": int(p.classes[j]),
-                         "class_name": names[int(p.classes[j])], "samples": int(p.counts[j]),
-                         "x": round(float(p.embedding[j, 0]), 5), "y": round(float(p.embedding[j, 1]), 5)})
+            rows.append(
+                {
+                    "panel": i,
+                    "run": p.run.name,
+                    "client": int(p.clients[j]),
+                    "class": int(p.classes[j]),
+                    "class_name": names[int(p.classes[j])],
+                    "samples": int(p.counts[j]),
+                    "x": round(float(p.embedding[j, 0]), 5),
+                    "y": round(float(p.embedding[j, 1]), 5),
+                }
+            )
     return rows
 
 

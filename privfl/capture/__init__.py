@@ -3,4 +3,4 @@
 from privfl.capture.message import KINDS, Message
 from privfl.capture.store import FORMAT, TensorStore, atomic_write_bytes, atomic_write_text
 
-__all__ = ["KINDS", "FORMAT", "Message", "TensorStore", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["FORMAT", "KINDS", "Message", "TensorStore", "atomic_write_bytes", "atomic_write_text"]

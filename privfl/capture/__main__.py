@@ -1,3 +1,5 @@
+# fmt: off
+# (the formatter would dedent the examples; this docstring is --help's description, printed as written)
 """``python -m privfl.capture list|show|verify``: inspect and check a run's capture.
 
     python -m privfl.capture list                   # messages of the latest run
@@ -5,6 +7,7 @@
     python -m privfl.capture show 42                # one message: index record and tensor stats
     python -m privfl.capture verify --run runs/X    # recompute every checksum (exit 1 on problems)
 """
+# fmt: on
 
 from __future__ import annotations
 
@@ -85,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         raise CaptureError(f"no record with seq {args.seq} in {store.root} (0..{len(records) - 1})")
     record = matches[0]
     tensors = store.load(record)
-    stats = {k: {"shape": list(v.shape), "dtype": str(v.dtype), **({"min": float(v.min()), "max": float(v.max()), "mean": float(v.double().mean())} if v.numel() else {})} for k, v in tensors.items()}
+    stats = {
+        k: {
+            "shape": list(v.shape),
+            "dtype": str(v.dtype),
+            **({"min": float(v.min()), "max": float(v.max()), "mean": float(v.double().mean())} if v.numel() else {}),
+        }
+        for k, v in tensors.items()
+    }
     print(json.dumps({"record": record, "tensors": stats}, indent=2))
     return 0
 

@@ -12,6 +12,7 @@ so models see inputs in [-1, 1] and attacks can invert it exactly with :meth:`Im
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import os
@@ -45,8 +46,16 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 DEBIAN_MNIST = Path("/usr/share/datasets/mnist")
 
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 MNIST_CLASSES = tuple(str(d) for d in range(10))
 PFLLIB_MEAN_STD = 0.5  # per channel, for every dataset (PFLlib / HtFLlib transforms.Normalize)
@@ -66,11 +75,11 @@ class ImageDataset:
     def __post_init__(self) -> None:
         # Fail at construction, not deep inside training, when a reader produced something odd.
         if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] not in (1, 3):
-            raise ValueError(f"{self.name}: images must be uint8 (N, 1|3, H, W), got "
-                             f"{self.images.dtype} {tuple(self.images.shape)}")
+            raise ValueError(f"{self.name}: images must be uint8 (N, 1|3, H, W), got {self.images.dtype} {tuple(self.images.shape)}")
         if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
-            raise ValueError(f"{self.name}: labels must be int64 (N,), got {self.labels.dtype} "
-                             f"{tuple(self.labels.shape)} for {self.images.shape[0]} images")
+            raise ValueError(
+                f"{self.name}: labels must be int64 (N,), got {self.labels.dtype} {tuple(self.labels.shape)} for {self.images.shape[0]} images"
+            )
         if len(self.mean) != self.channels or len(self.std) != self.channels:
             raise ValueError(f"{self.name}: mean/std need one value per channel ({self.channels})")
         if len(self.labels) and (int(self.labels.min()) < 0 or int(self.labels.max()) >= len(self.class_names)):
@@ -150,10 +159,15 @@ def _download_via_torchvision(cls_name: str, root: Path | None, name: str) -> No
 
 # ---------------------------------------------------------------------------------------------- IDX
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
-_IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def read_idx(path: Path, expect_ndim: int | None = None) -> np.ndarray:
@@ -194,8 +208,9 @@ def _find_idx_dir(candidates: Sequence[Path]) -> dict[str, Path] | None:
     return None
 
 
-def _load_idx_dataset(name: str, root: Path | None, download: bool, subdirs: Sequence[str],
-                      debian: Path, tv_class: str, class_names: Sequence[str], how: str) -> ImageDataset:
+def _load_idx_dataset(
+    name: str, root: Path | None, download: bool, subdirs: Sequence[str], debian: Path, tv_class: str, class_names: Sequence[str], how: str
+) -> ImageDataset:
     def candidates() -> list[Path]:
         dirs = [root, *(root / s for s in subdirs)] if root is not None else []
         return [*dirs, debian]
@@ -224,18 +239,24 @@ def _load_idx_dataset(name: str, root: Path | None, download: bool, subdirs: Seq
 @DATASETS.register("fashionmnist")
 def _load_fashionmnist(root: Path | None, download: bool) -> ImageDataset:
     """Fashion-MNIST, 70,000 grey 28x28 images (60k train + 10k test), 10 classes."""
-    how = ("install it with `apt-get install dataset-fashion-mnist`, put the IDX files under --data-root, "
-           "or pass --download where a network exists")
-    return _load_idx_dataset("fashionmnist", root, download, ("fashionmnist", "FashionMNIST/raw", "fashion-mnist"),
-                             DEBIAN_FASHION_MNIST, "FashionMNIST", FASHION_MNIST_CLASSES, how)
+    how = "install it with `apt-get install dataset-fashion-mnist`, put the IDX files under --data-root, or pass --download where a network exists"
+    return _load_idx_dataset(
+        "fashionmnist",
+        root,
+        download,
+        ("fashionmnist", "FashionMNIST/raw", "fashion-mnist"),
+        DEBIAN_FASHION_MNIST,
+        "FashionMNIST",
+        FASHION_MNIST_CLASSES,
+        how,
+    )
 
 
 @DATASETS.register("mnist")
 def _load_mnist(root: Path | None, download: bool) -> ImageDataset:
     """MNIST, 70,000 grey 28x28 digits (60k train + 10k test)."""
     how = "put the IDX files under --data-root, or pass --download where a network exists"
-    return _load_idx_dataset("mnist", root, download, ("mnist", "MNIST/raw"),
-                             DEBIAN_MNIST, "MNIST", MNIST_CLASSES, how)
+    return _load_idx_dataset("mnist", root, download, ("mnist", "MNIST/raw"), DEBIAN_MNIST, "MNIST", MNIST_CLASSES, how)
 
 
 # ------------------------------------------------------------------------------------------- CIFAR
@@ -246,7 +267,7 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
     try:
         from numpy._core.multiarray import _reconstruct  # numpy >= 2
     except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # the same function, numpy 1.x's path
     return {
         ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
         ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
@@ -295,8 +316,7 @@ def _cifar_arrays(batch: Any, path: Path, label_key: bytes) -> tuple[np.ndarray,
     data = np.asarray(batch[b"data"])
     labels = np.asarray(batch[label_key], dtype=np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
-        raise DataMissingError(f"{path}: CIFAR data must be uint8 (n, 3072) with n labels, got "
-                               f"{data.dtype} {data.shape} and {labels.shape}")
+        raise DataMissingError(f"{path}: CIFAR data must be uint8 (n, 3072) with n labels, got {data.dtype} {data.shape} and {labels.shape}")
     return data.reshape(-1, 3, 32, 32), labels  # rows are R plane, G plane, B plane, each 32x32 row-major
 
 
@@ -306,16 +326,27 @@ def _names(meta: Any, key: bytes, path: Path) -> list[str]:
     return [n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in meta[key]]
 
 
-def _load_cifar(name: str, root: Path | None, download: bool, folder: str, batches: Sequence[str],
-                meta_file: str, label_key: bytes, names_key: bytes, tv_class: str) -> ImageDataset:
+def _load_cifar(
+    name: str,
+    root: Path | None,
+    download: bool,
+    folder: str,
+    batches: Sequence[str],
+    meta_file: str,
+    label_key: bytes,
+    names_key: bytes,
+    tv_class: str,
+) -> ImageDataset:
     base = _cifar_dir(root, folder, meta_file)
     if base is None and download:
         _download_via_torchvision(tv_class, root, name)
         base = _cifar_dir(root, folder, meta_file)
     if base is None:
         looked = f"{root}, {root / folder}" if root is not None else "(no --data-root given)"
-        raise DataMissingError(f"{name} python-format files not found (looked in: {looked}); put the "
-                               f"{folder}/ folder under --data-root, or pass --download where a network exists")
+        raise DataMissingError(
+            f"{name} python-format files not found (looked in: {looked}); put the "
+            f"{folder}/ folder under --data-root, or pass --download where a network exists"
+        )
     missing = [b for b in batches if not (base / b).is_file()]
     if missing:
         raise DataMissingError(f"{name}: {base} lacks {', '.join(missing)}")
@@ -332,15 +363,13 @@ def _load_cifar(name: str, root: Path | None, download: bool, folder: str, batch
 def _load_cifar10(root: Path | None, download: bool) -> ImageDataset:
     """CIFAR-10, 60,000 colour 32x32 images (data_batch_1..5 then test_batch)."""
     batches = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    return _load_cifar("cifar10", root, download, "cifar-10-batches-py", batches, "batches.meta",
-                       b"labels", b"label_names", "CIFAR10")
+    return _load_cifar("cifar10", root, download, "cifar-10-batches-py", batches, "batches.meta", b"labels", b"label_names", "CIFAR10")
 
 
 @DATASETS.register("cifar100")
 def _load_cifar100(root: Path | None, download: bool) -> ImageDataset:
     """CIFAR-100 with its 100 fine labels, 60,000 colour 32x32 images (train then test)."""
-    return _load_cifar("cifar100", root, download, "cifar-100-python", ["train", "test"], "meta",
-                       b"fine_labels", b"fine_label_names", "CIFAR100")
+    return _load_cifar("cifar100", root, download, "cifar-100-python", ["train", "test"], "meta", b"fine_labels", b"fine_label_names", "CIFAR100")
 
 
 # ------------------------------------------------------------------------------------ Tiny-ImageNet
@@ -438,18 +467,17 @@ def _write_tiny_cache(path: Path, images: torch.Tensor, labels: torch.Tensor, di
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tinyimagenet_", suffix=".tmp", dir=path.parent)
         os.close(fd)
-        save_file({"images": images.contiguous(), "labels": labels.contiguous()}, tmp,
-                  metadata={"format": _TINY_CACHE_FORMAT, "wnids_sha256": digest})
+        save_file(
+            {"images": images.contiguous(), "labels": labels.contiguous()}, tmp, metadata={"format": _TINY_CACHE_FORMAT, "wnids_sha256": digest}
+        )
         os.replace(tmp, path)
         tmp = None
     except OSError:
         pass
     finally:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
 
 
 @DATASETS.register("tinyimagenet")
@@ -461,7 +489,8 @@ def _load_tinyimagenet(root: Path | None, download: bool) -> ImageDataset:
         extra = " (there is no automatic download for it)" if download else ""
         raise DataMissingError(
             f"tinyimagenet folder not found (looked in: {looked}){extra}; download "
-            "http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it under --data-root")
+            "http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it under --data-root"
+        )
     wnids_path = base / "wnids.txt"
     wnids_text = wnids_path.read_text()
     wnids = [w.strip() for w in wnids_text.splitlines() if w.strip()]

@@ -59,8 +59,9 @@ EXDIR_MIN_SAMPLES = 10  # PFLlib's exdir floor (its second level), lower than di
 _HINT = "use a larger --alpha, fewer clients or a smaller --min-samples"
 
 
-def default_min_samples(num_samples: int, num_clients: int, batch_size: int = DEFAULT_BATCH_SIZE,
-                        train_fraction: float = DEFAULT_TRAIN_FRACTION) -> int:
+def default_min_samples(
+    num_samples: int, num_clients: int, batch_size: int = DEFAULT_BATCH_SIZE, train_fraction: float = DEFAULT_TRAIN_FRACTION
+) -> int:
     """PFLlib's floor: one batch of training data after the split, but at most half a fair share.
 
     ``min(ceil(batch/(1-train_fraction)), N/num_clients/2)`` (= 40 for batch 10, 3:1 split), and
@@ -82,8 +83,7 @@ def _check_min(parts: list[np.ndarray], min_samples: int, scheme: str, hint: str
     sizes = [len(p) for p in parts]
     smallest = min(sizes)
     if smallest < min_samples:
-        raise PartitionError(f"{scheme} partition: client {sizes.index(smallest)} gets {smallest} samples "
-                             f"(< min_samples={min_samples}); {hint}")
+        raise PartitionError(f"{scheme} partition: client {sizes.index(smallest)} gets {smallest} samples (< min_samples={min_samples}); {hint}")
     return parts
 
 
@@ -103,9 +103,18 @@ def _split_by_weights(idx: np.ndarray, weights: np.ndarray) -> list[np.ndarray]:
     return np.split(idx, cuts)
 
 
-def _dirichlet_with_retries(scheme: str, by_class: Sequence[np.ndarray], holders: Sequence[np.ndarray],
-                            num_clients: int, alpha: float, rng: np.random.Generator, min_samples: int,
-                            max_tries: int, cap: float | None, hint: str = _HINT) -> list[np.ndarray]:
+def _dirichlet_with_retries(
+    scheme: str,
+    by_class: Sequence[np.ndarray],
+    holders: Sequence[np.ndarray],
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_samples: int,
+    max_tries: int,
+    cap: float | None,
+    hint: str = _HINT,
+) -> list[np.ndarray]:
     """Split each class by Dirichlet(alpha) over its holders; redraw all while a client is too small."""
     best = -1
     for _ in range(max_tries):
@@ -127,36 +136,49 @@ def _dirichlet_with_retries(scheme: str, by_class: Sequence[np.ndarray], holders
         if smallest >= min_samples:
             return _concat(parts)
         best = max(best, smallest)
-    raise PartitionError(f"{scheme} partition: after {max_tries} tries the smallest client still has "
-                         f"{best} samples (< min_samples={min_samples}); {hint}")
+    raise PartitionError(
+        f"{scheme} partition: after {max_tries} tries the smallest client still has {best} samples (< min_samples={min_samples}); {hint}"
+    )
 
 
 @PARTITIONS.register("iid")
-def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                  min_samples: int | None = None) -> list[np.ndarray]:
+def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, min_samples: int | None = None) -> list[np.ndarray]:
     """Shuffle everything and deal it out in (almost) equal parts."""
     perm = rng.permutation(len(labels))
     parts = _concat([[c] for c in np.array_split(perm, num_clients)])
-    return _check_min(parts, _resolve_min(min_samples, len(labels), num_clients), "iid",
-                      "use fewer clients or a smaller --min-samples")
+    return _check_min(parts, _resolve_min(min_samples, len(labels), num_clients), "iid", "use fewer clients or a smaller --min-samples")
 
 
 @PARTITIONS.register("dir")
-def dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                        alpha: float = 0.1, min_samples: int | None = None,
-                        max_tries: int = 100) -> list[np.ndarray]:
+def dirichlet_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, alpha: float = 0.1, min_samples: int | None = None, max_tries: int = 100
+) -> list[np.ndarray]:
     """Label skew: per class, client shares ~ Dirichlet(alpha) (small alpha = more skew)."""
     _, by_class = _by_class(labels)
     everyone = np.arange(num_clients)
-    return _dirichlet_with_retries("dir", by_class, [everyone] * len(by_class), num_clients, alpha, rng,
-                                   _resolve_min(min_samples, len(labels), num_clients), max_tries,
-                                   cap=len(labels) / num_clients)
+    return _dirichlet_with_retries(
+        "dir",
+        by_class,
+        [everyone] * len(by_class),
+        num_clients,
+        alpha,
+        rng,
+        _resolve_min(min_samples, len(labels), num_clients),
+        max_tries,
+        cap=len(labels) / num_clients,
+    )
 
 
 @PARTITIONS.register("pat")
-def pathological_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                           classes_per_client: int = 2, balanced: bool = False,
-                           min_samples: int | None = None) -> list[np.ndarray]:
+def pathological_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    classes_per_client: int = 2,
+    balanced: bool = False,
+    min_samples: int | None = None,
+) -> list[np.ndarray]:
     """Pathological skew: every client sees exactly ``classes_per_client`` classes."""
     classes, by_class = _by_class(labels)
     k = classes_per_client
@@ -175,22 +197,35 @@ def pathological_partition(labels: np.ndarray, num_clients: int, rng: np.random.
         weights = np.ones(len(who)) if balanced else rng.uniform(0.1, 1.0, len(who))
         for client, chunk in zip(who, _split_by_weights(idx, weights)):
             parts[client].append(chunk)
-    return _check_min(_concat(parts), _resolve_min(min_samples, len(labels), num_clients), "pat",
-                      "use fewer clients, more --classes-per-client, --balanced or a smaller --min-samples")
+    return _check_min(
+        _concat(parts),
+        _resolve_min(min_samples, len(labels), num_clients),
+        "pat",
+        "use fewer clients, more --classes-per-client, --balanced or a smaller --min-samples",
+    )
 
 
 @PARTITIONS.register("exdir")
-def extended_dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                                 alpha: float = 0.1, classes_per_client: int = 2,
-                                 min_samples: int | None = None, max_tries: int = 100) -> list[np.ndarray]:
+def extended_dirichlet_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_samples: int | None = None,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
     """Extended Dirichlet: ``classes_per_client`` random labels per client, Dirichlet over holders."""
     classes, by_class = _by_class(labels)
     num_classes, k = len(classes), classes_per_client
     if k > num_classes:
         raise PartitionError(f"exdir partition: classes_per_client={k} exceeds the {num_classes} classes")
     if k * num_clients < num_classes:
-        raise PartitionError(f"exdir partition: {num_clients} clients x {k} classes cannot cover all "
-                             f"{num_classes} classes; use more clients or more --classes-per-client")
+        raise PartitionError(
+            f"exdir partition: {num_clients} clients x {k} classes cannot cover all "
+            f"{num_classes} classes; use more clients or more --classes-per-client"
+        )
     need = max(k * num_clients // num_classes // 2, 1)
     for _ in range(max_tries):
         picks = [rng.choice(num_classes, size=k, replace=False) for _ in range(num_clients)]
@@ -198,13 +233,13 @@ def extended_dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.r
         if held.min() >= need:
             break
     else:
-        raise PartitionError(f"exdir partition: after {max_tries} tries some class still has fewer than "
-                             f"{need} holders; use more clients or more --classes-per-client")
+        raise PartitionError(
+            f"exdir partition: after {max_tries} tries some class still has fewer than {need} holders; use more clients or more --classes-per-client"
+        )
     holders = [np.array([i for i, p in enumerate(picks) if c in p], dtype=np.int64) for c in range(num_classes)]
     if min_samples is None:
         min_samples = min(EXDIR_MIN_SAMPLES, default_min_samples(len(labels), num_clients))
-    return _dirichlet_with_retries("exdir", by_class, holders, num_clients, alpha, rng, int(min_samples), max_tries,
-                                   cap=len(labels) / num_clients)
+    return _dirichlet_with_retries("exdir", by_class, holders, num_clients, alpha, rng, int(min_samples), max_tries, cap=len(labels) / num_clients)
 
 
 def longtail_class_sizes(class_counts: Sequence[int], imbalance_factor: float) -> np.ndarray:
@@ -220,25 +255,49 @@ def longtail_class_sizes(class_counts: Sequence[int], imbalance_factor: float) -
 
 
 @PARTITIONS.register("longtail")
-def longtail_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                       alpha: float = 0.1, imbalance_factor: float = 100.0, min_samples: int | None = None,
-                       max_tries: int = 100) -> list[np.ndarray]:
+def longtail_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.1,
+    imbalance_factor: float = 100.0,
+    min_samples: int | None = None,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
     """Global long tail (class c keeps n_max * IF^(-c/(C-1)) samples), then Dirichlet over clients."""
     _, by_class = _by_class(labels)
     sizes = longtail_class_sizes([len(i) for i in by_class], imbalance_factor)
     kept = [rng.choice(idx, size=int(n), replace=False) for idx, n in zip(by_class, sizes)]
     total = int(sizes.sum())
     everyone = np.arange(num_clients)
-    return _dirichlet_with_retries("longtail", kept, [everyone] * len(kept), num_clients, alpha, rng,
-                                   _resolve_min(min_samples, total, num_clients), max_tries,
-                                   cap=total / num_clients,
-                                   hint=_HINT.replace("--alpha", "--alpha, a smaller --imbalance-factor"))
+    return _dirichlet_with_retries(
+        "longtail",
+        kept,
+        [everyone] * len(kept),
+        num_clients,
+        alpha,
+        rng,
+        _resolve_min(min_samples, total, num_clients),
+        max_tries,
+        cap=total / num_clients,
+        hint=_HINT.replace("--alpha", "--alpha, a smaller --imbalance-factor"),
+    )
 
 
-def partition_indices(labels: np.ndarray | torch.Tensor | Sequence[int], num_clients: int, scheme: str,
-                      seed: int, *, alpha: float = 0.1, classes_per_client: int = 2,
-                      imbalance_factor: float = 100.0, min_samples: int | None = None,
-                      balanced: bool = False, max_tries: int = 100) -> list[np.ndarray]:
+def partition_indices(
+    labels: np.ndarray | torch.Tensor | Sequence[int],
+    num_clients: int,
+    scheme: str,
+    seed: int,
+    *,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    imbalance_factor: float = 100.0,
+    min_samples: int | None = None,
+    balanced: bool = False,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
     """Global sample indices per client (sorted int64, disjoint) for one registered scheme.
 
     ``min_samples=None`` means :func:`default_min_samples` of the (possibly subsampled) pool.
@@ -263,9 +322,14 @@ def partition_indices(labels: np.ndarray | torch.Tensor | Sequence[int], num_cli
     if num_clients > len(arr):
         raise PartitionError(f"{num_clients} clients but only {len(arr)} samples; use fewer clients")
     fn = PARTITIONS.get(scheme)
-    options: dict[str, Any] = dict(alpha=alpha, classes_per_client=classes_per_client,
-                                   imbalance_factor=imbalance_factor, min_samples=min_samples,
-                                   balanced=balanced, max_tries=max_tries)
+    options: dict[str, Any] = {
+        "alpha": alpha,
+        "classes_per_client": classes_per_client,
+        "imbalance_factor": imbalance_factor,
+        "min_samples": min_samples,
+        "balanced": balanced,
+        "max_tries": max_tries,
+    }
     params = inspect.signature(fn).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         options = {k: v for k, v in options.items() if k in params}
@@ -315,23 +379,22 @@ class ClientSplit:
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> ClientSplit:
         """Inverse of :meth:`to_tensors`; rejects gaps or stray keys instead of guessing."""
-        ids = [int(k.split("_", 1)[1]) for k in tensors
-               if k.startswith(("train_", "test_")) and k.split("_", 1)[1].isdigit()]
+        ids = [int(k.split("_", 1)[1]) for k in tensors if k.startswith(("train_", "test_")) and k.split("_", 1)[1].isdigit()]
         n = max(ids) + 1 if ids else 0
         expected = {f"{kind}_{i}" for kind in ("train", "test") for i in range(n)}
         missing, stray = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or stray or n == 0:
-            raise ConfigError(f"client split tensors are malformed (missing: {', '.join(missing[:5]) or '-'}; "
-                              f"unexpected: {', '.join(stray[:5]) or '-'}; clients found: {n})")
+            raise ConfigError(
+                f"client split tensors are malformed (missing: {', '.join(missing[:5]) or '-'}; "
+                f"unexpected: {', '.join(stray[:5]) or '-'}; clients found: {n})"
+            )
         for key, t in tensors.items():
             if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
                 raise ConfigError(f"client split tensor {key} must be 1-D integer, got {t.dtype} {tuple(t.shape)}")
-        return cls(train=[tensors[f"train_{i}"].cpu().numpy() for i in range(n)],
-                   test=[tensors[f"test_{i}"].cpu().numpy() for i in range(n)])
+        return cls(train=[tensors[f"train_{i}"].cpu().numpy() for i in range(n)], test=[tensors[f"test_{i}"].cpu().numpy() for i in range(n)])
 
 
-def split_train_test(client_indices: Sequence[np.ndarray], train_fraction: float = DEFAULT_TRAIN_FRACTION,
-                     seed: int = 0) -> ClientSplit:
+def split_train_test(client_indices: Sequence[np.ndarray], train_fraction: float = DEFAULT_TRAIN_FRACTION, seed: int = 0) -> ClientSplit:
     """Per client: shuffle, first floor(train_fraction * n) are train, the rest test (3:1 by default)."""
     if not 0.0 < train_fraction < 1.0:
         raise ConfigError(f"train_fraction must be in (0, 1), got {train_fraction}")
@@ -343,16 +406,16 @@ def split_train_test(client_indices: Sequence[np.ndarray], train_fraction: float
         n = len(idx)
         n_train = int(math.floor(train_fraction * n + 1e-9))
         if n_train == 0 or n_train == n:
-            raise PartitionError(f"client {i} has {n} samples: a {train_fraction:g} train split leaves "
-                                 f"{n_train} train / {n - n_train} test; give clients more samples")
+            raise PartitionError(
+                f"client {i} has {n} samples: a {train_fraction:g} train split leaves {n_train} train / {n - n_train} test; give clients more samples"
+            )
         perm = rng.permutation(idx)
         train.append(perm[:n_train])
         test.append(perm[n_train:])
     return ClientSplit(train=train, test=test)
 
 
-def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[str] | None = None,
-                   title: str | None = None) -> None:
+def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[str] | None = None, title: str | None = None) -> None:
     """Bubble chart clients x classes, circle area ~ samples (as FedRE Figs. 7-8), written as PNG.
 
     Uses the Agg canvas directly (no pyplot) so it works headless and leaves global state alone.
@@ -364,14 +427,12 @@ def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[s
     if counts.ndim != 2:
         raise ValueError(f"counts must be (clients, classes), got shape {counts.shape}")
     num_clients, num_classes = counts.shape
-    fig = Figure(figsize=(min(max(4.0, 0.35 * num_clients + 1.5), 30.0),
-                          min(max(3.0, 0.3 * num_classes + 1.2), 30.0)))
+    fig = Figure(figsize=(min(max(4.0, 0.35 * num_clients + 1.5), 30.0), min(max(3.0, 0.3 * num_classes + 1.2), 30.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     client_ids, class_ids = np.nonzero(counts > 0)
     peak = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
-    ax.scatter(client_ids, class_ids, s=counts[client_ids, class_ids] / peak * 300.0,
-               color="tab:red", alpha=0.6, edgecolors="none")
+    ax.scatter(client_ids, class_ids, s=counts[client_ids, class_ids] / peak * 300.0, color="tab:red", alpha=0.6, edgecolors="none")
     ax.set_xlim(-0.7, num_clients - 0.3)
     ax.set_ylim(-0.7, num_classes - 0.3)
     step_x = max(1, math.ceil(num_clients / 25))
@@ -392,8 +453,9 @@ def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[s
 
 
 @PARTITIONS.register("dominant")
-def dominant_share_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                             balanced: bool = False, min_samples: int | None = None) -> list[np.ndarray]:
+def dominant_share_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, balanced: bool = False, min_samples: int | None = None
+) -> list[np.ndarray]:
     """FedFree's non-IID1 as the spec reads it (§3.2): client i holds a dominant class (group) i mod G
     for 80% of its samples and the next two for 10% each (8:1:1; ``balanced=True`` gives 6:2:2, the
     paper's non-IID2). Classes come in G = min(C, 10) groups (CIFAR-100: groups of 10 classes). Client
@@ -413,5 +475,4 @@ def dominant_share_partition(labels: np.ndarray, num_clients: int, rng: np.rando
             got, pools[g] = pools[g][:want], pools[g][want:]
             take.extend(got)
         parts.append(np.array(take, dtype=np.int64))
-    return _check_min(parts, _resolve_min(min_samples, len(labels), num_clients), "dominant",
-                      "use fewer clients or more data")
+    return _check_min(parts, _resolve_min(min_samples, len(labels), num_clients), "dominant", "use fewer clients or more data")

@@ -14,5 +14,17 @@ from privfl.methods.base import (
 )
 from privfl.methods.trainer import LocalStats, LocalTrainer
 
-__all__ = ["METHODS", "Client", "DataView", "FLEnv", "FLMethod", "KnowledgeRecorder", "LeakageContext", "LocalStats", "LocalTrainer",
-           "ModelRequest", "check_method_class", "resolve_method"]
+__all__ = [
+    "METHODS",
+    "Client",
+    "DataView",
+    "FLEnv",
+    "FLMethod",
+    "KnowledgeRecorder",
+    "LeakageContext",
+    "LocalStats",
+    "LocalTrainer",
+    "ModelRequest",
+    "check_method_class",
+    "resolve_method",
+]

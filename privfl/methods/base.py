@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from privfl.capture.message import Message
@@ -63,9 +62,7 @@ class DataView:
         x = self.images[idx].float().div_(255.0).sub_(self.mean).div_(self.std)
         return x, self.labels[idx]
 
-    def batches(
-        self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches over ``idx``; shuffled when a generator is given. The last partial batch is kept
         (a client with fewer samples than a batch still trains; HtFLlib drops it)."""
         if generator is not None:
@@ -214,9 +211,7 @@ class FLMethod:
         self.trainer = env.trainer if env.trainer is not None else LocalTrainer(env.cfg, env.data)
         if self.requires_homogeneous and len({c.arch for c in env.clients}) > 1:
             archs = sorted({c.arch for c in env.clients})
-            raise ConfigError(
-                f"{self.name} needs identical client models, got {', '.join(archs)}; use --model-group homo-cnn4"
-            )
+            raise ConfigError(f"{self.name} needs identical client models, got {', '.join(archs)}; use --model-group homo-cnn4")
 
     # -------------------------------------------------------------- models
     @classmethod
@@ -229,8 +224,14 @@ class FLMethod:
         """
         from privfl.models import build_model
 
-        return build_model(req.arch, in_channels=req.in_channels, num_classes=req.num_classes,
-                           image_size=req.image_size, rep_dim=req.cfg.rep_dim, mapping=req.cfg.mapping)
+        return build_model(
+            req.arch,
+            in_channels=req.in_channels,
+            num_classes=req.num_classes,
+            image_size=req.image_size,
+            rep_dim=req.cfg.rep_dim,
+            mapping=req.cfg.mapping,
+        )
 
     @classmethod
     def build_topology(cls, cfg: Any, opts: Any):
@@ -342,9 +343,7 @@ class GlobalModelServer(FLMethod):
 
     def broadcast(self, rnd: int, phase: str = "train") -> None:
         """Send the full global state dict to every client; each loads its delivered copy."""
-        delivered = self.channel.broadcast(
-            rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}
-        )
+        delivered = self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase})
         for client in self.env.clients:
             load_module_tensors(client.model, delivered[client.name].tensors)
 
@@ -355,9 +354,7 @@ class GlobalModelServer(FLMethod):
         load_module_tensors(self.global_model, state)
 
 
-def class_prototypes(
-    reps: torch.Tensor, labels: torch.Tensor, num_classes: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def class_prototypes(reps: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(classes present, their mean representations (k, d), sample counts) of one client."""
     counts = torch.bincount(labels, minlength=num_classes)
     sums = torch.zeros(num_classes, reps.shape[1], dtype=reps.dtype, device=reps.device)
@@ -408,8 +405,9 @@ def check_method_class(cls: type[FLMethod]) -> None:
     check_sends(label, cls.sends)
     for hook, instead in _RETIRED_HOOKS.items():
         if any(hook in vars(k) for k in cls.__mro__ if k is not FLMethod):
-            raise ConfigError(f"{label}.{hook} is no longer called (attacks read declared data, not method code): {instead}; "
-                              "see docs/extending.md#migrating")
+            raise ConfigError(
+                f"{label}.{hook} is no longer called (attacks read declared data, not method code): {instead}; see docs/extending.md#migrating"
+            )
     for kind, ctx in cls.leakage.items():
         if kind not in cls.sends:
             raise ConfigError(f"{label}.leakage declares {kind!r}, which it does not send (sends: {', '.join(cls.sends) or 'nothing'})")

@@ -33,7 +33,7 @@ from torchvision.models.resnet import BasicBlock
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
-from privfl.seeding import derive_seed, numpy_rng, seed_global, torch_generator
+from privfl.seeding import derive_seed, numpy_rng
 from privfl.topology import Ring, parse_failures
 
 LOG_2PI = math.log(2 * math.pi)
@@ -57,7 +57,9 @@ class DRDFLOptions:
     classifier: str = opt("zoo", "f_omega: the client's --model-group model (zoo) or CIFAR ResNet-18 (paper)", choices=("zoo", "resnet18-cifar"))
     ema: float = opt(0.99, "alpha of the class-Gaussian EMA with the received ones (paper: 0.99)")
     ema_on: str = opt("var", "EMA on the variance (paper's Sigma) or on its log", choices=("var", "log_var"))
-    adversarial: str = opt("alternate", "alternate: vartheta steps on L_adv, then phi on L_adv^u; grl: gradient reversal on L_adv", choices=("alternate", "grl"))
+    adversarial: str = opt(
+        "alternate", "alternate: vartheta steps on L_adv, then phi on L_adv^u; grl: gradient reversal on L_adv", choices=("alternate", "grl")
+    )
     grl_lambda: float = opt(1.0, "gradient-reversal scale (adversarial=grl)")
     routing: str = opt("elbo", "which losses reach the encoders (spec 1.6)", choices=("elbo", "strict_alg1", "full_joint"))
     noise_std: float = opt(0.1, "std of the noise n in x_p = x' + n, on the [-1, 1] input scale")
@@ -87,8 +89,9 @@ def gaussian_log_density(z: torch.Tensor, mu: torch.Tensor, log_var: torch.Tenso
     return -0.5 * ((diff2 / log_var.exp().unsqueeze(0)) + log_var.unsqueeze(0) + LOG_2PI).sum(-1)
 
 
-def gm_logits(z: torch.Tensor, mu: torch.Tensor, log_var: torch.Tensor, log_prior: torch.Tensor,
-              y: torch.Tensor | None = None, margin: float = 0.0) -> torch.Tensor:
+def gm_logits(
+    z: torch.Tensor, mu: torch.Tensor, log_var: torch.Tensor, log_prior: torch.Tensor, y: torch.Tensor | None = None, margin: float = 0.0
+) -> torch.Tensor:
     """l_k = log N(z; mu_k, Sigma_k) + log p(k) (Eq. 6's logits); with a label and margin > 0 the
     true class's Mahalanobis term is scaled by (1 + margin) as in L-GM."""
     diff2 = (z.unsqueeze(1) - mu.unsqueeze(0)).pow(2) / log_var.exp().unsqueeze(0)  # (B, K, D)
@@ -98,8 +101,9 @@ def gm_logits(z: torch.Tensor, mu: torch.Tensor, log_var: torch.Tensor, log_prio
     return -maha - 0.5 * (log_var.sum(-1) + mu.shape[1] * LOG_2PI).unsqueeze(0) + log_prior.unsqueeze(0)
 
 
-def persona_loss(z: torch.Tensor, y: torch.Tensor, mu: torch.Tensor, log_var: torch.Tensor, log_prior: torch.Tensor,
-                 margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def persona_loss(
+    z: torch.Tensor, y: torch.Tensor, mu: torch.Tensor, log_var: torch.Tensor, log_prior: torch.Tensor, margin: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_cls, L_log): CE over the mixture posterior (Eq. 6) and -log N(z; mu_y, Sigma_y) (Eq. 7)."""
     l_cls = F.cross_entropy(gm_logits(z, mu, log_var, log_prior, y, margin), y)
     l_log = -gaussian_log_density(z, mu, log_var).gather(1, y.unsqueeze(1)).mean()
@@ -173,7 +177,8 @@ class Learngene(ConvEncoder):
     def __init__(self, in_channels: int, image_size: int, width: int, latent_dim: int):
         super().__init__(in_channels, image_size, width, 2 * latent_dim)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (mu, log_var) instead of one tensor: a Learngene is never used where a plain ConvEncoder is expected
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         mu, log_var = super().forward(x).chunk(2, dim=1)
         return mu, log_var.clamp(-10.0, 10.0)
 
@@ -184,6 +189,8 @@ class PersonaNet(ConvEncoder):
 
 class ClassGaussians(nn.Module):
     """{(mu_k, diag Sigma_k)} in z_p space, learnable; Sigma as log-variance, floored at ``min_var``."""
+
+    log_prior: torch.Tensor  # a buffer (register_buffer below)
 
     def __init__(self, num_classes: int, dim: int, min_var: float):
         super().__init__()
@@ -208,9 +215,14 @@ class Decoder(nn.Module):
         self.side, self.image_size, self.width = -(-image_size // 8), image_size, width
         self.fc = nn.Linear(in_dim, 4 * width * self.side * self.side)
         self.net = nn.Sequential(
-            nn.ConvTranspose2d(4 * width, 2 * width, 4, 2, 1), _norm(2 * width), nn.ReLU(inplace=True),
-            nn.ConvTranspose2d(2 * width, width, 4, 2, 1), _norm(width), nn.ReLU(inplace=True),
-            nn.ConvTranspose2d(width, out_channels, 4, 2, 1), nn.Tanh(),
+            nn.ConvTranspose2d(4 * width, 2 * width, 4, 2, 1),
+            _norm(2 * width),
+            nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(2 * width, width, 4, 2, 1),
+            _norm(width),
+            nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(width, out_channels, 4, 2, 1),
+            nn.Tanh(),
         )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
@@ -236,9 +248,15 @@ def cifar_resnet18(in_channels: int, num_classes: int) -> nn.Module:
         return [BasicBlock(cin, cout, stride, down), BasicBlock(cout, cout)]
 
     features = nn.Sequential(
-        nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-        *stage(64, 64, 1), *stage(64, 128, 2), *stage(128, 256, 2), *stage(256, 512, 2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        *stage(64, 64, 1),
+        *stage(64, 128, 2),
+        *stage(128, 256, 2),
+        *stage(256, 512, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
     )
     for m in features.modules():
         if isinstance(m, nn.Conv2d):
@@ -249,8 +267,16 @@ def cifar_resnet18(in_channels: int, num_classes: int) -> nn.Module:
 class DRDFLModel(nn.Module):
     """One client's modules; ``forward(x)`` is the paper's inference: f_omega(theta([psi(x); mu_l(x)]))."""
 
-    def __init__(self, learngene: Learngene, personanet: PersonaNet, decoder: Decoder, classifier: nn.Module,
-                 gaussians: ClassGaussians, adversary: nn.Module, opts: DRDFLOptions):
+    def __init__(
+        self,
+        learngene: Learngene,
+        personanet: PersonaNet,
+        decoder: Decoder,
+        classifier: nn.Module,
+        gaussians: ClassGaussians,
+        adversary: nn.Module,
+        opts: DRDFLOptions,
+    ):
         super().__init__()
         self.learngene, self.personanet, self.decoder, self.classifier = learngene, personanet, decoder, classifier
         self.gaussians, self.adversary = gaussians, adversary
@@ -269,8 +295,9 @@ class DRDFLModel(nn.Module):
         return self.classifier(x_rec)
 
 
-def batch_losses(model: DRDFLModel, x: torch.Tensor, y: torch.Tensor, o: DRDFLOptions,
-                 opt_adv: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def batch_losses(
+    model: DRDFLModel, x: torch.Tensor, y: torch.Tensor, o: DRDFLOptions, opt_adv: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
     """Every loss of Sec. III on one batch, routed as ``o.routing`` says; ``train_loss`` is their sum,
     whose backward gives each module its own losses. With ``opt_adv`` (alternating mode) the
     adversary first takes its step on L_adv with z_l detached; in grl mode L_adv is in the sum with
@@ -301,19 +328,25 @@ def batch_losses(model: DRDFLModel, x: torch.Tensor, y: torch.Tensor, o: DRDFLOp
     l_ce = F.cross_entropy(model.classifier(x), y) + F.cross_entropy(model.classifier(x_p), y)
     l_pr = l_cls + o.log_weight * l_log if o.ablation != "no_pr" else z_p.new_zeros(())
     l_gl = l_kl + l_advu + adv_term if o.ablation != "no_gl" else z_p.new_zeros(())
-    return {"train_loss": l_pr + l_gl + l_rec + l_ce, "loss_cls": l_cls, "loss_log": l_log, "loss_kl": l_kl,
-            "loss_adv": l_adv.detach(), "loss_adv_u": l_advu, "loss_rec": l_rec, "loss_ce": l_ce}
+    return {
+        "train_loss": l_pr + l_gl + l_rec + l_ce,
+        "loss_cls": l_cls,
+        "loss_log": l_log,
+        "loss_kl": l_kl,
+        "loss_adv": l_adv.detach(),
+        "loss_adv_u": l_advu,
+        "loss_rec": l_rec,
+        "loss_ce": l_ce,
+    }
 
 
 def _build_learngene(req: ModelRequest, o: DRDFLOptions) -> tuple[Learngene, ClassGaussians]:
     """The shared parts; from one seed for every client when ``shared_init`` (spec: shared seed)."""
     if not o.shared_init:
-        return (Learngene(req.in_channels, req.image_size, o.width, o.latent_dim),
-                ClassGaussians(req.num_classes, o.persona_dim, o.min_var))
+        return (Learngene(req.in_channels, req.image_size, o.width, o.latent_dim), ClassGaussians(req.num_classes, o.persona_dim, o.min_var))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(req.cfg.seed, "init", "learngene"))
-        return (Learngene(req.in_channels, req.image_size, o.width, o.latent_dim),
-                ClassGaussians(req.num_classes, o.persona_dim, o.min_var))
+        return (Learngene(req.in_channels, req.image_size, o.width, o.latent_dim), ClassGaussians(req.num_classes, o.persona_dim, o.min_var))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -332,12 +365,20 @@ class DRDFL(FLMethod):
     #: tensors, named ``learngene.*``) followed by a classifier of its own on the latent mean, shaped like
     #: the private adversarial classifier (d_l -> 128 -> K) it never sees; its previous state is the
     #: Learngene the sender received in the round named by the message's ``previous_round``
-    leakage = {"learngene": LeakageContext(
-        previous="learngene", module="learngene", prefix="learngene.", output=0, readout="probe", probe_hidden=128,
-        note="the neighbour's own random classifier on mu_l stands in for the sender's private losses")}
+    leakage = {
+        "learngene": LeakageContext(
+            previous="learngene",
+            module="learngene",
+            prefix="learngene.",
+            output=0,
+            readout="probe",
+            probe_hidden=128,
+            note="the neighbour's own random classifier on mu_l stands in for the sender's private losses",
+        )
+    }
 
     @classmethod
-    def build_client_model(cls, req: ModelRequest) -> nn.Module:
+    def build_client_model(cls, req: ModelRequest) -> DRDFLModel:
         o = req.opts
         learngene, gaussians = _build_learngene(req, o)
         personanet = PersonaNet(req.in_channels, req.image_size, o.persona_width, o.persona_dim)
@@ -347,8 +388,14 @@ class DRDFL(FLMethod):
         else:
             from privfl.models import build_model
 
-            classifier = build_model(req.arch, in_channels=req.in_channels, num_classes=req.num_classes,
-                                     image_size=req.image_size, rep_dim=req.cfg.rep_dim, mapping=req.cfg.mapping)
+            classifier = build_model(
+                req.arch,
+                in_channels=req.in_channels,
+                num_classes=req.num_classes,
+                image_size=req.image_size,
+                rep_dim=req.cfg.rep_dim,
+                mapping=req.cfg.mapping,
+            )
         adversary = nn.Sequential(nn.Linear(o.latent_dim, 128), nn.ReLU(), nn.Linear(128, req.num_classes))
         return DRDFLModel(learngene, personanet, decoder, classifier, gaussians, adversary, o)
 
@@ -389,9 +436,16 @@ class DRDFL(FLMethod):
     def send_state(self, rnd: int, sender: Client, receiver: Client, meta: dict[str, Any]) -> tuple[Message, Message]:
         """Two peer messages, Learngene then Gaussians; truth: the samples behind a trained state."""
         trained = int(self.last_trained[sender.index]) >= 0
-        meta = {**meta, "trained": trained, "num_samples": len(sender.train_idx), "lr": self.local_lr(),
-                "local_epochs": self.cfg.local_epochs, "batch_size": self.cfg.batch_size, "schedule": self.opts.schedule,
-                "previous_round": int(self.trained_from[sender.index])}
+        meta = {
+            **meta,
+            "trained": trained,
+            "num_samples": len(sender.train_idx),
+            "lr": self.local_lr(),
+            "local_epochs": self.cfg.local_epochs,
+            "batch_size": self.cfg.batch_size,
+            "schedule": self.opts.schedule,
+            "previous_round": int(self.trained_from[sender.index]),
+        }
         truth = {"indices": sender.train_idx.cpu()} if trained else None
         lg = self.send(Message(rnd, sender.name, receiver.name, "learngene", self.learngene_tensors(sender.model), meta), truth)
         ga = self.send(Message(rnd, sender.name, receiver.name, "gaussians", self.gaussian_tensors(sender.model), meta), truth)
@@ -456,12 +510,12 @@ class DRDFL(FLMethod):
                     self.trained_from[c.index] = -1
                 stats.append(self.train_client(rnd, c))
                 self.last_trained[c.index] = rnd
-                nxt = self.topology.successor(c.index, rnd)
-                if nxt is None:
+                succ = self.topology.successor(c.index, rnd)
+                if succ is None:
                     continue
-                lg, ga = self.send_state(rnd, c, self.env.clients[nxt], {"state_after_round": rnd})
+                lg, ga = self.send_state(rnd, c, self.env.clients[succ], {"state_after_round": rnd})
                 sizes = {"learngene": lg.paper_scalars, "gaussians": ga.paper_scalars}
-                self.inbox[nxt] = (rnd, lg.tensors, ga.tensors)
+                self.inbox[succ] = (rnd, lg.tensors, ga.tensors)
         out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if stats else {}
         out.update(self.evaluate_paper_metrics())
         out["live_nodes"] = float(len(live))
@@ -524,10 +578,22 @@ class DRDFL(FLMethod):
         for key, v in state.items():
             if key.startswith("inbox.") and key.endswith(".round"):
                 m = int(key.split(".")[1])
-                lg = {k[len(f"inbox.{m}.lg."):]: t for k, t in state.items() if k.startswith(f"inbox.{m}.lg.")}
-                ga = {k[len(f"inbox.{m}.ga."):]: t for k, t in state.items() if k.startswith(f"inbox.{m}.ga.")}
+                lg = {k[len(f"inbox.{m}.lg.") :]: t for k, t in state.items() if k.startswith(f"inbox.{m}.lg.")}
+                ga = {k[len(f"inbox.{m}.ga.") :]: t for k, t in state.items() if k.startswith(f"inbox.{m}.ga.")}
                 self.inbox[m] = (int(v), lg, ga)
 
 
-__all__ = ["DRDFL", "batch_losses", "DRDFLModel", "DRDFLOptions", "gaussian_log_density", "gm_logits", "persona_loss",
-           "kl_standard_normal", "uniform_confusion", "ema_mix", "grad_reverse", "cifar_resnet18"]
+__all__ = [
+    "DRDFL",
+    "DRDFLModel",
+    "DRDFLOptions",
+    "batch_losses",
+    "cifar_resnet18",
+    "ema_mix",
+    "gaussian_log_density",
+    "gm_logits",
+    "grad_reverse",
+    "kl_standard_normal",
+    "persona_loss",
+    "uniform_confusion",
+]

@@ -68,9 +68,7 @@ def random_draws(mechanism: str, labels: torch.Tensor, num_classes: int, distrib
     raise UnknownNameError("RE mechanism", mechanism, MECHANISMS)
 
 
-def sample_weights(
-    mechanism: str, labels: torch.Tensor, num_classes: int, draws: torch.Tensor, negatives: str = "abs"
-) -> torch.Tensor:
+def sample_weights(mechanism: str, labels: torch.Tensor, num_classes: int, draws: torch.Tensor, negatives: str = "abs") -> torch.Tensor:
     """Per-sample weights w (n,), summing to 1, for ``labels`` (n,) given the mechanism's draws."""
     labels = labels.cpu()
     n = len(labels)

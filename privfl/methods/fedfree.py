@@ -24,8 +24,9 @@ representations), so ``--rep-dim``/``--mapping`` do not apply.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,20 +48,25 @@ LAYER_TYPES = {nn.Conv2d: "conv", nn.Linear: "fc"}
 class FedFreeOptions:
     k: int = opt(2, "critical layers each client uploads per round (paper: 2)")
     selection: str = opt("topk", "topk: largest relative change (Eq. 2); random: the Fig. 4(a) ablation", choices=("topk", "random"))
-    server_update: str = opt("align", "align: Eq. 3-5 on Gaussian pseudo-data; average: plain averaging of the "
-                             "mapped uploads (Fig. 4(b) ablation)", choices=("align", "average"))
+    server_update: str = opt(
+        "align",
+        "align: Eq. 3-5 on Gaussian pseudo-data; average: plain averaging of the mapped uploads (Fig. 4(b) ablation)",
+        choices=("align", "average"),
+    )
     server_lr: float = opt(0.01, "server learning rate alpha of Eqs. 4-5")
     server_steps: int = opt(1, "server gradient steps per global layer per round (paper: 1)")
     pseudo_batch: int = opt(64, "pseudo-data samples B per step (paper: unspecified)")
-    average_rate: float = opt(1.0, "average: g <- (1-r) g + r mean(uploads); 1 replaces g by the mean, "
-                              "2*server_lr is what align does in expectation")
-    match: str = opt("depth", "layer matching: depth (same type, nearest overall relative depth), type_depth "
-                     "(nearest depth among layers of the type), index (same position and type)",
-                     choices=("depth", "type_depth", "index"))
-    mismatch: str = opt("overlap", "server-side shape mismatch: overlap (shared channels, centred kernel) or flat (Eq. 7 copy)",
-                        choices=("overlap", "flat"))
-    kge_candidates: str = opt("mapped", "KGE pairs: mapped (the layer each upload was mapped to) or same_type (any)",
-                              choices=("mapped", "same_type"))
+    average_rate: float = opt(1.0, "average: g <- (1-r) g + r mean(uploads); 1 replaces g by the mean, 2*server_lr is what align does in expectation")
+    match: str = opt(
+        "depth",
+        "layer matching: depth (same type, nearest overall relative depth), type_depth "
+        "(nearest depth among layers of the type), index (same position and type)",
+        choices=("depth", "type_depth", "index"),
+    )
+    mismatch: str = opt(
+        "overlap", "server-side shape mismatch: overlap (shared channels, centred kernel) or flat (Eq. 7 copy)", choices=("overlap", "flat")
+    )
+    kge_candidates: str = opt("mapped", "KGE pairs: mapped (the layer each upload was mapped to) or same_type (any)", choices=("mapped", "same_type"))
     fill: str = opt("keep", "client overwrite beyond the copied entries: keep local values, or zero (Eq. 7)", choices=("keep", "zero"))
     kge_bins: int = opt(256, "histogram bins of the KGE entropy (paper: 256)")
     global_arch: str = opt("fedfree-cnn", "architecture of the server's global model (paper: its 5-layer CNN)")
@@ -72,7 +78,7 @@ class LayerInfo:
     """One candidate layer (Conv2d or Linear) of a model, in definition order."""
 
     name: str
-    module: nn.Module
+    module: nn.Conv2d | nn.Linear
     type: str  # "conv" | "fc"
     position: int
     count: int  # candidate layers in the model
@@ -94,10 +100,14 @@ class LayerInfo:
         return out
 
     def geometry(self) -> dict[str, Any]:
-        m = self.module
+        m = cast(nn.Conv2d, self.module)  # read only when type == "conv"
         if self.type == "conv":
-            return {"stride": list(m.stride), "padding": list(m.padding) if not isinstance(m.padding, str) else m.padding,
-                    "dilation": list(m.dilation), "groups": m.groups}
+            return {
+                "stride": list(m.stride),
+                "padding": list(m.padding) if not isinstance(m.padding, str) else m.padding,
+                "dilation": list(m.dilation),
+                "groups": m.groups,
+            }
         return {}
 
 
@@ -175,8 +185,9 @@ def _centre(n_src: int, n_dst: int) -> tuple[slice, slice]:
     return slice(0, n_src), slice(o, o + n_src)
 
 
-def project_to(weight: torch.Tensor, bias: torch.Tensor | None, groups: int, g_weight: torch.Tensor, g_bias: torch.Tensor | None,
-               mode: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def project_to(
+    weight: torch.Tensor, bias: torch.Tensor | None, groups: int, g_weight: torch.Tensor, g_bias: torch.Tensor | None, mode: str
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A client layer in the global layer's shape, for the server's Eq. 3 and for averaging.
 
     Returns (weight', bias', weight coverage mask, bias coverage mask, output mask): what the client
@@ -196,6 +207,7 @@ def project_to(weight: torch.Tensor, bias: torch.Tensor | None, groups: int, g_w
         w_out.view(-1)[:d] = w.reshape(-1)[:d]
         w_mask.view(-1)[:d] = True
         if g_bias is not None and bias is not None:
+            assert b_out is not None and b_mask is not None  # made when g_bias is not None
             db = min(bias.numel(), g_bias.numel())
             b_out[:db], b_mask[:db] = bias[:db], True
         out_mask[:] = True
@@ -209,6 +221,7 @@ def project_to(weight: torch.Tensor, bias: torch.Tensor | None, groups: int, g_w
         w_out[:o, :i] = w[:o, :i]
         w_mask[:o, :i] = True
     if g_bias is not None and bias is not None:
+        assert b_out is not None and b_mask is not None  # made when g_bias is not None
         b_out[:o], b_mask[:o] = bias[:o], True
     out_mask[:o] = True
     return w_out, b_out, w_mask, b_mask, out_mask
@@ -221,14 +234,19 @@ overwrite = apply_layer_download
 
 def layer_forward(layer: LayerInfo, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The global layer's own operation with the given parameters (its stride, padding, dilation)."""
-    m = layer.module
+    m = cast(nn.Conv2d, layer.module)  # read only when type == "conv"
     if layer.type == "conv":
         return F.conv2d(x, weight, bias, m.stride, m.padding, m.dilation, m.groups)
     return F.linear(x, weight, bias)
 
 
-def alignment_loss(layer: LayerInfo, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   targets: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
+def alignment_loss(
+    layer: LayerInfo,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+) -> torch.Tensor:
     """Eq. 3: mean over the mapped uploads of ||g(X) - θ(X)||², summed over the (shared) output
     channels and averaged over batch and spatial positions, so a step moves g by about 2α towards the
     uploads for conv and linear layers alike (spec §7 item 4)."""
@@ -241,8 +259,15 @@ def alignment_loss(layer: LayerInfo, x: torch.Tensor, weight: torch.Tensor, bias
     return total / len(targets)
 
 
-def align_layer(layer: LayerInfo, targets: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
-                input_shape: tuple[int, ...], lr: float, steps: int, batch: int, generators: list[torch.Generator]) -> list[float]:
+def align_layer(
+    layer: LayerInfo,
+    targets: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+    input_shape: tuple[int, ...],
+    lr: float,
+    steps: int,
+    batch: int,
+    generators: list[torch.Generator],
+) -> list[float]:
     """Eqs. 3-5 in place on ``layer``: ``steps`` plain gradient steps of :func:`alignment_loss`, each on
     fresh pseudo-data X ~ N(0, I) of shape (batch, *input_shape) shared by every target. Returns the losses."""
     weight = layer.module.weight.detach().clone().requires_grad_(True)
@@ -260,7 +285,7 @@ def align_layer(layer: LayerInfo, targets: list[tuple[torch.Tensor, torch.Tensor
     with torch.no_grad():
         layer.module.weight.copy_(weight)
         if bias is not None:
-            layer.module.bias.copy_(bias)
+            cast(torch.Tensor, layer.module.bias).copy_(bias)  # bias exists iff the layer has one
     return losses
 
 
@@ -284,8 +309,11 @@ class FedFree(FLMethod):
     #: upload of it and the download it applied in the round before (``layer-replay``); the tensors
     #: carry the client model's own parameter names, so the attacker differentiates the whole model,
     #: other layers at the latest value it saw of them (else random init)
-    leakage = {"layer": LeakageContext(previous="layer", previous_rule="layer-replay",
-                                       note="layers the message does not carry are stale or random in the attacker's model")}
+    leakage = {
+        "layer": LeakageContext(
+            previous="layer", previous_rule="layer-replay", note="layers the message does not carry are stale or random in the attacker's model"
+        )
+    }
 
     # ------------------------------------------------------------------ models
     @classmethod
@@ -296,8 +324,14 @@ class FedFree(FLMethod):
         from privfl.models.zoo import MODELS
 
         features, dim = MODELS.get(req.arch)(req.in_channels, req.image_size)
-        spec = {"arch": req.arch, "in_channels": req.in_channels, "num_classes": req.num_classes,
-                "image_size": req.image_size, "rep_dim": dim, "mapping": "ap"}
+        spec = {
+            "arch": req.arch,
+            "in_channels": req.in_channels,
+            "num_classes": req.num_classes,
+            "image_size": req.image_size,
+            "rep_dim": dim,
+            "mapping": "ap",
+        }
         return SplitModel(req.arch, features, dim, AvgPoolMapping(dim, dim), nn.Linear(dim, req.num_classes), spec)
 
     def __init__(self, env):
@@ -312,9 +346,14 @@ class FedFree(FLMethod):
         from privfl.models import build_model
 
         seed_global(self.cfg.seed, "init", "server-model")
-        self.global_model = build_model(o.global_arch, in_channels=env.clients[0].model.spec["in_channels"],
-                                        num_classes=env.num_classes, image_size=env.clients[0].model.spec["image_size"],
-                                        rep_dim=self._feature_dim(o.global_arch), mapping="ap").to(env.device)
+        self.global_model = build_model(
+            o.global_arch,
+            in_channels=env.clients[0].model.spec["in_channels"],
+            num_classes=env.num_classes,
+            image_size=env.clients[0].model.spec["image_size"],
+            rep_dim=self._feature_dim(o.global_arch),
+            mapping="ap",
+        ).to(env.device)
         self.global_layers = candidate_layers(self.global_model)
         self.input_shapes = self._input_shapes()
 
@@ -329,9 +368,11 @@ class FedFree(FLMethod):
     def _input_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per global layer, the shape of one input it sees in the global model (the pseudo-data shape)."""
         shapes: dict[str, tuple[int, ...]] = {}
+
         def record(name: str):
             def hook(module: nn.Module, args: tuple) -> None:
                 shapes.setdefault(name, tuple(args[0].shape[1:]))
+
             return hook
 
         hooks = [g.module.register_forward_pre_hook(record(g.name)) for g in self.global_layers]
@@ -358,10 +399,21 @@ class FedFree(FLMethod):
         layers_meta = []
         for rank, (layer, score) in enumerate(chosen):
             tensors.update(layer.tensors())
-            layers_meta.append({"name": layer.name, "type": layer.type, "shape": list(layer.module.weight.shape),
-                                "bias": layer.module.bias is not None, "score": score, "rank": rank,
-                                "position": layer.position, "count": layer.count, "type_position": layer.type_position,
-                                "type_count": layer.type_count, "geometry": layer.geometry()})
+            layers_meta.append(
+                {
+                    "name": layer.name,
+                    "type": layer.type,
+                    "shape": list(layer.module.weight.shape),
+                    "bias": layer.module.bias is not None,
+                    "score": score,
+                    "rank": rank,
+                    "position": layer.position,
+                    "count": layer.count,
+                    "type_position": layer.type_position,
+                    "type_count": layer.type_count,
+                    "geometry": layer.geometry(),
+                }
+            )
         meta = {"arch": client.arch, "layers": layers_meta, "num_samples": len(client.train_idx), "lr": self.cfg.lr}
         msg = Message(rnd, client.name, "server", "layer", tensors, meta)
         return self.send(msg, {"indices": client.train_idx.cpu()})
@@ -403,8 +455,9 @@ class FedFree(FLMethod):
                 w = msg.tensors[f"{lm['name']}.weight"].to(gw.device, gw.dtype)
                 b = msg.tensors.get(f"{lm['name']}.bias")
                 b = b.to(gw.device, gw.dtype) if b is not None else None
-                projected.append(project_to(w, b, lm["geometry"].get("groups", 1), gw.detach(),
-                                            gb.detach() if gb is not None else None, self.opts.mismatch))
+                projected.append(
+                    project_to(w, b, lm["geometry"].get("groups", 1), gw.detach(), gb.detach() if gb is not None else None, self.opts.mismatch)
+                )
             if self.opts.server_update == "average":
                 self._average(g, projected)
             else:
@@ -414,8 +467,15 @@ class FedFree(FLMethod):
     def _align(self, rnd: int, j: int, g: LayerInfo, projected: list) -> list[float]:
         """Eqs. 3-5 with pseudo-data seeded by (seed, round, global layer, step)."""
         gens = [torch_generator(self.cfg.seed, "fedfree-pseudo", rnd, j, step) for step in range(self.opts.server_steps)]
-        return align_layer(g, [(w, b, out_mask) for w, b, _, _, out_mask in projected], self.input_shapes[g.name],
-                           self.opts.server_lr, self.opts.server_steps, self.opts.pseudo_batch, gens)
+        return align_layer(
+            g,
+            [(w, b, out_mask) for w, b, _, _, out_mask in projected],
+            self.input_shapes[g.name],
+            self.opts.server_lr,
+            self.opts.server_steps,
+            self.opts.pseudo_batch,
+            gens,
+        )
 
     @torch.no_grad()
     def _average(self, g: LayerInfo, projected: list) -> None:
@@ -476,14 +536,27 @@ class FedFree(FLMethod):
             if g.module.bias is not None:
                 tensors[f"{g.name}.bias"] = g.module.bias.detach()
             local = next(lm for lm in next(m for m in received if m.sender == sender).meta["layers"] if lm["name"] == target)
-            meta = {"arch": by_name[sender].arch, "global_arch": self.opts.global_arch, "global_layer": g.name,
-                    "type": g.type, "shape": list(g.module.weight.shape), "target": target, "target_shape": local["shape"],
-                    "target_bias": local["bias"], "kge": gain, "fill": self.opts.fill}
+            meta = {
+                "arch": by_name[sender].arch,
+                "global_arch": self.opts.global_arch,
+                "global_layer": g.name,
+                "type": g.type,
+                "shape": list(g.module.weight.shape),
+                "target": target,
+                "target_shape": local["shape"],
+                "target_bias": local["bias"],
+                "kge": gain,
+                "fill": self.opts.fill,
+            }
             delivered = self.send(Message(rnd, "server", sender, "layer", tensors, meta))
             self.apply_download(by_name[sender], delivered)
             gains.append(gain)
-        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss,
-                "downloads": float(len(downloads)), "mean_kge": sum(gains) / len(gains) if gains else 0.0}
+        return {
+            "train_loss": sum(losses) / max(len(losses), 1),
+            "server_loss": server_loss,
+            "downloads": float(len(downloads)),
+            "mean_kge": sum(gains) / len(gains) if gains else 0.0,
+        }
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, torch.Tensor]:
@@ -493,5 +566,18 @@ class FedFree(FLMethod):
         load_module_tensors(self.global_model, {k.removeprefix("global."): v for k, v in state.items() if k.startswith("global.")})
 
 
-__all__ = ["FedFree", "FedFreeOptions", "LayerInfo", "candidate_layers", "change_score", "entropy", "kge", "match_layer",
-           "project_to", "overwrite", "alignment_loss", "align_layer", "rank_top_k"]
+__all__ = [
+    "FedFree",
+    "FedFreeOptions",
+    "LayerInfo",
+    "align_layer",
+    "alignment_loss",
+    "candidate_layers",
+    "change_score",
+    "entropy",
+    "kge",
+    "match_layer",
+    "overwrite",
+    "project_to",
+    "rank_top_k",
+]

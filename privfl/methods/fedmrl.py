@@ -41,7 +41,9 @@ it last trained (the official code evaluates right after local training).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,7 @@ from privfl.config import opt
 from privfl.errors import ConfigError
 from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.models.fedmrl_zoo import CNN_TABLE, MRLConvNet, small_model
+from privfl.models.split import SplitModel
 from privfl.seeding import seed_global
 
 SMALL_MODELS = ("auto", *(f"cnn{v}" for v in CNN_TABLE))
@@ -63,18 +66,23 @@ class FedMRLOptions:
     """FedMRL's hyperparameters; the shared ones (lr, batch size, local epochs, momentum, weight decay)
     are run options. Paper values: shared/specs/fedmrl.md Sec. 2."""
 
-    d1: int = opt(200, "Matryoshka/small-model representation dimension d1 <= d2 = --rep-dim (paper grid 100..500, "
-                       "Fig. 6: best 200 on CIFAR-10, 100 on CIFAR-100)")
-    small_model: str = opt("auto", "small model G: CNN-j of Table 2 with FC2 = d1; auto = cnn1 if every client has the "
-                                   "same architecture (Table 3 setting), else cnn5 (Table 1 setting)", choices=SMALL_MODELS)
+    d1: int = opt(
+        200,
+        "Matryoshka/small-model representation dimension d1 <= d2 = --rep-dim (paper grid 100..500, Fig. 6: best 200 on CIFAR-10, 100 on CIFAR-100)",
+    )
+    small_model: str = opt(
+        "auto",
+        "small model G: CNN-j of Table 2 with FC2 = d1; auto = cnn1 if every client has the "
+        "same architecture (Table 3 setting), else cnn5 (Table 1 setting)",
+        choices=SMALL_MODELS,
+    )
     loss_weight_global: float = opt(1.0, "m^G, weight of CE(global header(R~[:d1])) (Eq. 9; paper: 1)")
     loss_weight_local: float = opt(1.0, "m^F, weight of CE(local header(R~)) (Eq. 9; paper: 1)")
     small_lr: float | None = opt(None, "eta_theta for the small model (Eq. 10; default --lr, as the paper)")
     projector_lr: float | None = opt(None, "eta_phi for the projector (Eq. 10; default --lr, as the paper)")
     grad_clip: float = opt(50.0, "max gradient norm, clipped separately for G, F_k and P_k (official code: 50; 0: off)")
     projector_bias: bool = opt(True, "projector Linear(d1+d2 -> d2) has a bias (official code: yes)")
-    inference: str = opt("mix-large", "inference model (App. C.3, Fig. 7): mix-large is the paper's default",
-                         choices=INFERENCE)
+    inference: str = opt("mix-large", "inference model (App. C.3, Fig. 7): mix-large is the paper's default", choices=INFERENCE)
 
     def __post_init__(self) -> None:
         if isinstance(self.d1, bool) or not isinstance(self.d1, int) or self.d1 < 1:
@@ -91,7 +99,7 @@ class FedMRLOptions:
 
 def matryoshka_slices(rep: Tensor, dims: tuple[int, ...]) -> list[Tensor]:
     """Nested prefixes ``rep[:, :d]`` for increasing ``dims`` (Eq. 5: coarse R~[:d1] inside fine R~[:d2])."""
-    if any(b <= a for a, b in zip(dims, dims[1:])) or not dims or dims[0] < 1 or dims[-1] > rep.shape[1]:
+    if any(b <= a for a, b in itertools.pairwise(dims)) or not dims or dims[0] < 1 or dims[-1] > rep.shape[1]:
         raise ValueError(f"Matryoshka dims {dims} must increase within 1..{rep.shape[1]}")
     return [rep[:, :d] for d in dims]
 
@@ -100,9 +108,9 @@ class FedMRLModel(nn.Module):
     """One client's whole model W_k = (G o F_k | P_k); its state_dict (``small.*``, ``local.*``,
     ``projector.*``) is what checkpoints save."""
 
-    def __init__(self, small: MRLConvNet, local: nn.Module, d1: int, *, projector_bias: bool = True):
+    def __init__(self, small: MRLConvNet, local: SplitModel, d1: int, *, projector_bias: bool = True):
         super().__init__()
-        d2 = local.head.in_features
+        d2 = cast(nn.Linear, local.head).in_features
         if small.rep_dim != d1 or small.fc3 is None:
             raise ConfigError(f"the small model must end in FC2 = d1 = {d1} and a header")
         if d1 > d2:
@@ -124,6 +132,7 @@ class FedMRLModel(nn.Module):
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(y^G, y^F): the global header on the coarse slice, the local header on the fine one (Eqs. 5-7)."""
         coarse, fine = matryoshka_slices(self.fuse(x), (self.d1, self.d2))
+        assert self.small.fc3 is not None  # checked in __init__
         return self.small.fc3(coarse), self.local.head(fine)
 
     def infer(self, x: Tensor, inference: str = "mix-large") -> Tensor:
@@ -131,6 +140,7 @@ class FedMRLModel(nn.Module):
         if inference == "mix-large":
             return self.local.head(self.fuse(x))
         if inference == "mix-small":
+            assert self.small.fc3 is not None  # checked in __init__
             return self.small.fc3(self.fuse(x)[:, : self.d1])
         if inference == "single-large":
             return self.local(x)
@@ -154,8 +164,7 @@ def small_variant(req: ModelRequest) -> int:
 
 def build_small_model(req: ModelRequest) -> MRLConvNet:
     """G for this run (the same on every client, on the server and in an attacker's hands)."""
-    return small_model(small_variant(req), in_channels=req.in_channels, image_size=req.image_size,
-                       d1=req.opts.d1, num_classes=req.num_classes)
+    return small_model(small_variant(req), in_channels=req.in_channels, image_size=req.image_size, d1=req.opts.d1, num_classes=req.num_classes)
 
 
 def weighted_average(messages: list[Message]) -> dict[str, Tensor]:
@@ -176,8 +185,7 @@ def weighted_average(messages: list[Message]) -> dict[str, Tensor]:
         for k, v in msg.tensors.items():
             acc[k] = acc[k] + w * v.double() if k in acc else w * v.double()
     first = messages[0].tensors
-    return {k: (v / total).to(first[k].dtype) if first[k].is_floating_point() else (v / total).round().to(first[k].dtype)
-            for k, v in acc.items()}
+    return {k: (v / total).to(first[k].dtype) if first[k].is_floating_point() else (v / total).round().to(first[k].dtype) for k, v in acc.items()}
 
 
 @METHODS.register("fedmrl")
@@ -190,16 +198,20 @@ class FedMRL(FLMethod):
     Options = FedMRLOptions
     #: the attacker differentiates the small model G alone (images -> G^hd(G^ex(x))), whose parameter
     #: names are the ``small_model`` tensors'; an approximation of the fused local loss (module docstring)
-    leakage = {"small_model": LeakageContext(
-        previous="small_model", module="small",
-        note="CE on the small model's own output; the true local loss also passes through the private projector and header")}
+    leakage = {
+        "small_model": LeakageContext(
+            previous="small_model",
+            module="small",
+            note="CE on the small model's own output; the true local loss also passes through the private projector and header",
+        )
+    }
     paper = "Yi et al., FedMRL, NeurIPS 2024 (arXiv 2406.00488)"
 
     # -------------------------------------------------------------- models
     @classmethod
-    def build_client_model(cls, req: ModelRequest) -> nn.Module:
+    def build_client_model(cls, req: ModelRequest) -> FedMRLModel:
         small = build_small_model(req)  # overwritten by the first download; built first for a fixed init order
-        local = super().build_client_model(req)
+        local = cast(SplitModel, super().build_client_model(req))  # FLMethod's default client model
         return FedMRLModel(small, local, req.opts.d1, projector_bias=req.opts.projector_bias)
 
     def __init__(self, env):
@@ -215,16 +227,17 @@ class FedMRL(FLMethod):
     def train_client(self, rnd: int, client: Client) -> dict[str, float]:
         """E local epochs of SGD on G, F_k and P_k from one summed loss (Eq. 10; Alg. 1), fresh optimizer,
         each part's gradient clipped separately."""
-        model: FedMRLModel = client.model
         o = self.opts
         small_lr, proj_lr = self.lrs()
 
         def optimizer(model: FedMRLModel) -> torch.optim.Optimizer:
-            return self.trainer.make_optimizer([
-                {"params": list(model.small.parameters()), "lr": small_lr},
-                {"params": list(model.local.parameters())},  # eta_omega = --lr
-                {"params": list(model.projector.parameters()), "lr": proj_lr},
-            ])
+            return self.trainer.make_optimizer(
+                [
+                    {"params": list(model.small.parameters()), "lr": small_lr},
+                    {"params": list(model.local.parameters())},  # eta_omega = --lr
+                    {"params": list(model.projector.parameters()), "lr": proj_lr},
+                ]
+            )
 
         def objective(model: FedMRLModel, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             logits_g, logits_f = model.heads(x)
@@ -241,8 +254,7 @@ class FedMRL(FLMethod):
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         # download theta^{t-1} to the selected clients only (Alg. 1; Sec. 3 step 1)
-        delivered = self.channel.broadcast(rnd, [c.name for c in selected], "small_model",
-                                           module_tensors(self.global_small), meta={"phase": "train"})
+        delivered = self.channel.broadcast(rnd, [c.name for c in selected], "small_model", module_tensors(self.global_small), meta={"phase": "train"})
         received, stats = [], []
         small_lr, _ = self.lrs()
         for client in selected:
@@ -250,10 +262,16 @@ class FedMRL(FLMethod):
             out = self.train_client(rnd, client)
             stats.append(out)
             meta = {
-                "num_samples": len(client.train_idx), "lr": small_lr, "local_steps": out["steps"],
-                "local_epochs": self.cfg.local_epochs, "batch_size": self.cfg.batch_size,
-                "momentum": self.cfg.momentum, "weight_decay": self.cfg.weight_decay, "grad_clip": self.opts.grad_clip,
-                "small_model": f"cnn{client.model.small.variant}", "d1": client.model.d1,
+                "num_samples": len(client.train_idx),
+                "lr": small_lr,
+                "local_steps": out["steps"],
+                "local_epochs": self.cfg.local_epochs,
+                "batch_size": self.cfg.batch_size,
+                "momentum": self.cfg.momentum,
+                "weight_decay": self.cfg.weight_decay,
+                "grad_clip": self.opts.grad_clip,
+                "small_model": f"cnn{client.model.small.variant}",
+                "d1": client.model.d1,
             }
             msg = Message(rnd, client.name, "server", "small_model", module_tensors(client.model.small), meta)
             received.append(self.send(msg, {"indices": client.train_idx.cpu()}))

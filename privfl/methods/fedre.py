@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client
-from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 from privfl.methods.entangle import (
     DISTRIBUTIONS,
     MECHANISMS,
@@ -32,6 +32,7 @@ from privfl.methods.entangle import (
     sample_weights,
     soft_label_loss,
 )
+from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 from privfl.seeding import torch_generator
 
 

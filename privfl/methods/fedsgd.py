@@ -63,10 +63,7 @@ class FedSGD(GlobalModelServer):
         model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        grads = {
-            k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p.detach()))
-            for k, p in model.named_parameters()
-        }
+        grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p.detach())) for k, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         with torch.no_grad():  # FedSGD does not move BatchNorm statistics
             for k, v in model.named_buffers():

@@ -84,8 +84,13 @@ class GlobalHeadServer(FLMethod):
         inputs, targets = self.head_data(received)
         o = self.opts
         server_loss = self.train_head(
-            rnd, inputs.to(self.env.device), targets.to(self.env.device),
-            lr=o.server_lr, batch=o.server_batch, epochs=o.server_epochs, loss_fn=self.head_loss,
+            rnd,
+            inputs.to(self.env.device),
+            targets.to(self.env.device),
+            lr=o.server_lr,
+            batch=o.server_batch,
+            epochs=o.server_epochs,
+            loss_fn=self.head_loss,
         )
         self.broadcast_head(rnd)
         return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}

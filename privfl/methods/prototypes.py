@@ -30,9 +30,13 @@ def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Messa
     reps, labels = method.representations(client)
     classes, protos, counts = class_prototypes(reps, labels, method.env.num_classes)
     msg = Message(
-        rnd, client.name, "server", "proto",
+        rnd,
+        client.name,
+        "server",
+        "proto",
         {"protos": protos, "classes": classes, "counts": counts},
-        {"arch": client.arch}, aux=("classes", "counts"),
+        {"arch": client.arch},
+        aux=("classes", "counts"),
     )
     return msg, {"indices": client.train_idx.cpu(), "labels": labels.cpu()}
 
@@ -96,14 +100,16 @@ class FedProto(FLMethod):
             received = self.send(*prototype_message(self, rnd, client))
             self.env.knowledge.record_extractor(rnd, client)
             cls = received.tensors["classes"].to(self.env.device)
-            w = received.tensors["counts"].to(self.env.device).float() if self.opts.weighting == "samples" else torch.ones(len(cls), device=self.env.device)
+            w = (
+                received.tensors["counts"].to(self.env.device).float()
+                if self.opts.weighting == "samples"
+                else torch.ones(len(cls), device=self.env.device)
+            )
             sums.index_add_(0, cls, received.tensors["protos"].to(self.env.device) * w.unsqueeze(1))
             weights.index_add_(0, cls, w)
         present = torch.nonzero(weights, as_tuple=False).flatten()
         global_protos = sums[present] / weights[present].unsqueeze(1)  # (m, d)
-        delivered = self.channel.broadcast(
-            rnd, self.client_names(), "global_proto", {"protos": global_protos, "classes": present}, aux=("classes",)
-        )
+        delivered = self.channel.broadcast(rnd, self.client_names(), "global_proto", {"protos": global_protos, "classes": present}, aux=("classes",))
         for name, msg in delivered.items():
             protos, known = self.received[name]
             cls = msg.tensors["classes"].to(self.env.device)

@@ -38,7 +38,9 @@ class FedAvg(GlobalModelServer):
         losses = []
         for client in selected:
             losses.append(self.local_train(rnd, client))
-            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), {"arch": client.arch, "num_samples": len(client.train_idx)})
+            msg = Message(
+                rnd, client.name, "server", "model", module_tensors(client.model), {"arch": client.arch, "num_samples": len(client.train_idx)}
+            )
             received = self.send(msg, {"indices": client.train_idx.cpu()})
             w = float(len(client.train_idx))
             total_weight += w

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,13 @@ from torch import nn
 from privfl.errors import UnknownNameError
 from privfl.seeding import seed_global, torch_generator
 
-ObjectiveResult = Union[torch.Tensor, tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
-Objective = Callable[[nn.Module, torch.Tensor, torch.Tensor], ObjectiveResult]
-OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+if TYPE_CHECKING:
+    from privfl.models.split import SplitModel
+
+ObjectiveResult = torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]
+# the model argument is the client's model: a SplitModel, or a method's own class (FedMRLModel, DRDFL's)
+Objective = Callable[[Any, torch.Tensor, torch.Tensor], ObjectiveResult]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
 @dataclass
@@ -46,7 +50,7 @@ class LocalStats:
         return {loss_key: self.loss, **self.parts}
 
 
-def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def cross_entropy(model: SplitModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The default objective (FedRE Eq. 1): CE of the head on the mapped representation."""
     return F.cross_entropy(model.head(model.represent(x)), y)
 
@@ -54,7 +58,7 @@ def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def with_representation_term(extra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Objective:
     """CE plus ``extra(reps, logits, y)``, a regulariser on the representations (FedProto's term)."""
 
-    def objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def objective(model: SplitModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         reps = model.represent(x)
         logits = model.head(reps)
         return F.cross_entropy(logits, y) + extra(reps, logits, y)
@@ -88,7 +92,7 @@ class LocalTrainer:
         *,
         parameters: Iterable[nn.Parameter] | None = None,
         optimizer: OptimizerFactory | None = None,
-        before_step: Callable[[nn.Module], None] | None = None,
+        before_step: Callable[[Any], None] | None = None,
         epochs: int | None = None,
     ) -> LocalStats:
         """``epochs`` (default ``--local-epochs``) of local training of ``client.model`` on its train split."""

@@ -62,8 +62,7 @@ def _cifar_resnet(name: str, dim: int):
 for _name, _dim in [("resnet18", 512), ("resnet34", 512), ("resnet50", 2048), ("resnet101", 2048), ("resnet152", 2048)]:
     MODELS.register(f"cifar-{_name}", _cifar_resnet(_name, _dim))
 
-FEDFREE8 = ("fedfree-cnn", "cifar-resnet18", "cifar-resnet34", "cifar-resnet50", "cifar-resnet101",
-            "cifar-resnet152", "googlenet", "mobilenet_v2")
+FEDFREE8 = ("fedfree-cnn", "cifar-resnet18", "cifar-resnet34", "cifar-resnet50", "cifar-resnet101", "cifar-resnet152", "googlenet", "mobilenet_v2")
 
 MODEL_GROUPS.register("fedfree8", FEDFREE8)
 MODEL_GROUPS.register("fedfree8-random", tuple(FEDFREE8[i] for i in np.random.default_rng(0).integers(0, len(FEDFREE8), 100)))

@@ -40,8 +40,7 @@ class MRLConvNet(nn.Module):
     small model's message tensors read ``conv1.weight`` ... ``fc3.bias``.
     """
 
-    def __init__(self, variant: int, in_channels: int, image_size: int, rep_dim: int = FC2_DIM,
-                 num_classes: int | None = None):
+    def __init__(self, variant: int, in_channels: int, image_size: int, rep_dim: int = FC2_DIM, num_classes: int | None = None):
         super().__init__()
         if variant not in CNN_TABLE:
             raise ConfigError(f"unknown FedMRL CNN variant {variant!r}; accepted: {', '.join(map(str, CNN_TABLE))}")
@@ -52,8 +51,7 @@ class MRLConvNet(nn.Module):
         c2, hidden = CNN_TABLE[variant]
         self.variant, self.rep_dim = variant, rep_dim
         #: the constructor arguments: a fresh copy of this architecture is ``MRLConvNet(**config)``
-        self.config = {"variant": variant, "in_channels": in_channels, "image_size": image_size,
-                       "rep_dim": rep_dim, "num_classes": num_classes}
+        self.config = {"variant": variant, "in_channels": in_channels, "image_size": image_size, "rep_dim": rep_dim, "num_classes": num_classes}
         self.conv1 = nn.Conv2d(in_channels, 16, kernel_size=5)
         self.conv2 = nn.Conv2d(16, c2, kernel_size=5)
         self.fc1 = nn.Linear(_cnn_flat_dim(name, image_size, c2, kernel=5, padding=0), hidden)  # 800 on 32x32 (400 for CNN-2)

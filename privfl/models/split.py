@@ -60,7 +60,7 @@ class MaxPoolMapping(_Pool1dMapping):
 MAPPINGS.register("ap", AvgPoolMapping)
 MAPPINGS.register("mp", MaxPoolMapping)
 # ``fc``: a learned projection, trained jointly with the local cross-entropy.
-MAPPINGS.register("fc", lambda in_dim, rep_dim: nn.Linear(in_dim, rep_dim))
+MAPPINGS.register("fc", nn.Linear)  # called as (in_dim, rep_dim)
 
 
 class SplitModel(nn.Module):
@@ -95,11 +95,7 @@ class SplitModel(nn.Module):
 
         Cloned so that a snapshot taken as attacker knowledge does not change with later training.
         """
-        return {
-            k: v.detach().clone()
-            for k, v in self.state_dict().items()
-            if k.startswith(_EXTRACTOR_PREFIXES)
-        }
+        return {k: v.detach().clone() for k, v in self.state_dict().items() if k.startswith(_EXTRACTOR_PREFIXES)}
 
     def load_extractor_state(self, state: Mapping[str, Tensor]) -> None:
         """Load an :meth:`extractor_state` (strict: exactly the extractor keys and shapes)."""

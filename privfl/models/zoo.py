@@ -80,9 +80,7 @@ def _cnn_flat_dim(arch: str, image_size: int, out_channels: int, kernel: int, pa
     return out_channels * s * s
 
 
-def _two_conv_cnn(
-    arch: str, in_channels: int, image_size: int, channels: tuple[int, int], kernel: int, padding: int
-) -> tuple[nn.Module, int]:
+def _two_conv_cnn(arch: str, in_channels: int, image_size: int, channels: tuple[int, int], kernel: int, padding: int) -> tuple[nn.Module, int]:
     """The FedAvgCNN layout: 2x (conv + ReLU + maxpool), flatten, Linear(flat, 512) + ReLU."""
     c1, c2 = channels
     flat = _cnn_flat_dim(arch, image_size, c2, kernel, padding)
@@ -246,6 +244,7 @@ def squeezenet1_1(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     net = tvm.squeezenet1_1(weights=None)
     if in_channels != 3:
         stem = _replace_conv(net.features[0], in_channels)
+        assert stem.bias is not None  # _replace_conv keeps the original conv's bias
         nn.init.kaiming_uniform_(stem.weight)
         nn.init.constant_(stem.bias, 0)
         net.features[0] = stem
@@ -294,6 +293,7 @@ def _vit(name: str, patch: int) -> FeatureFactory:
         if in_channels != 3:
             stem = _replace_conv(net.conv_proj, in_channels)
             fan_in = stem.in_channels * stem.kernel_size[0] * stem.kernel_size[1]
+            assert stem.bias is not None  # _replace_conv keeps the original conv's bias
             nn.init.trunc_normal_(stem.weight, std=math.sqrt(1 / fan_in))
             nn.init.zeros_(stem.bias)
             net.conv_proj = stem
