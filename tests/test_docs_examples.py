@@ -1,0 +1,301 @@
+"""docs/extending.md runs as written: its files, its commands, its claims.
+
+Every Python block of the page that starts with ``# file: PATH`` is written under a temporary folder,
+then every command of its ``bash`` blocks (``python -m MODULE ...`` or ``python SCRIPT``) runs there in
+the page's order, on tiny real data: the example method trains, its capture is checked, the example
+attack and a built-in one attack it, the example defense is applied through ``--defense`` and the
+example kind is sent, defended and attacked. Commands run in this process (a subprocess would import
+torch again for each, several seconds apiece); what the examples register is removed afterwards so the
+rest of the suite sees the registries it expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import re
+import runpy
+import shlex
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attacks import ATTACKS
+from defenses import DEFENSES, parse_defense
+from privfl.capture import Message
+from privfl.channel import Channel
+from privfl.errors import ConfigError
+from privfl.kinds import KINDS, Family, MessageContractError
+from privfl.methods import METHODS, check_method_class, resolve_method
+from privfl.registry import Registry
+from privfl.run import Run
+from tests.conftest import FMNIST, ROOT
+
+DOC = ROOT / "docs" / "extending.md"
+FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+FILE_MARK = re.compile(r"#\s*file:\s*(\S+)")
+#: CLI modules whose main() takes argv (``privfl.capture``'s lives in its __main__)
+CLIS = {"privfl.capture": "privfl.capture.__main__"}
+#: what the page's examples register, removed after the module's tests
+REGISTERED: list[tuple[Registry[Any], str]] = [(ATTACKS, "labelset"), (DEFENSES, "signcomp"), (KINDS, "body")]
+PACKAGE = "mypkg"
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+
+
+def example_files(text: str) -> dict[str, str]:
+    """Path -> source of every ``python`` block whose first line is ``# file: PATH``."""
+    out = {}
+    for lang, body in blocks(text):
+        mark = FILE_MARK.match(body.splitlines()[0]) if lang == "python" and body.strip() else None
+        if mark:
+            assert mark.group(1) not in out, f"{mark.group(1)} is given twice"
+            out[mark.group(1)] = body
+    return out
+
+
+def commands(text: str) -> list[list[str]]:
+    """The argv (after ``python``) of every command line of the ``bash`` blocks; env assignments dropped."""
+    out = []
+    for lang, body in blocks(text):
+        if lang != "bash":
+            continue
+        for line in body.splitlines():
+            words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words = words[1:]
+            if words:
+                assert words[0] == "python", f"the docs test runs python commands only, got {line!r}"
+                out.append(words[1:])
+    return out
+
+
+def section(text: str, heading: str) -> str:
+    """The text under a ``## heading`` up to the next ``## ``."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def run_command(argv: list[str], root: Path) -> str:
+    """Run one page command in this process; its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if argv[0] == "-m":
+            module = importlib.import_module(CLIS.get(argv[1], argv[1]))
+            code = module.main(argv[2:])
+        else:
+            saved = sys.argv
+            sys.argv = [str(root / argv[0]), *argv[1:]]
+            try:
+                runpy.run_path(str(root / argv[0]), run_name="__main__")
+            finally:
+                sys.argv = saved
+            code = 0
+    assert code == 0, (argv, out.getvalue()[-2000:])
+    return out.getvalue()
+
+
+@dataclass
+class Session:
+    root: Path
+    outputs: list[tuple[str, str]]  # (command, its stdout)
+
+    def output(self, command: str) -> str:
+        found = [out for cmd, out in self.outputs if command in cmd]
+        assert len(found) == 1, f"{command!r} matches {len(found)} commands of the page"
+        return found[0]
+
+    def run(self, name: str) -> Run:
+        return Run(self.root / "runs" / name)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    """The page, run once: files written, commands run in order."""
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    text = DOC.read_text()
+    taken = [name for registry, name in REGISTERED if name in registry]
+    assert not taken and PACKAGE not in sys.modules, f"names the page's examples register are taken: {taken}"
+    root = tmp_path_factory.mktemp("extending")
+    for path, source in example_files(text).items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(source)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.syspath_prepend(str(root))
+        try:
+            yield Session(root, [(" ".join(argv), run_command(argv, root)) for argv in commands(text)])
+        finally:
+            for registry, name in REGISTERED:
+                registry._entries.pop(name, None)  # registries have no public unregister: plug-ins never need one
+            for module in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
+                del sys.modules[module]
+
+
+# ------------------------------------------------------------------------------------------ the page itself
+def test_every_example_file_is_used_and_every_link_resolves(session):
+    text = DOC.read_text()
+    files = example_files(text)
+    ran = "\n".join(cmd for cmd, _ in session.outputs)
+    for path in files:
+        if "/" in path:  # a module of the package: imported by the commands
+            assert path.removesuffix(".py").replace("/", ".").removesuffix(".__init__") in sys.modules, path
+        else:  # a script: run by a command
+            assert path in ran, f"no command of the page runs {path}"
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    for link in re.findall(r"\]\(#([^)]+)\)", text):
+        assert link in anchors, f"link #{link} has no heading"
+    assert "migrating" in anchors  # the library's errors point to docs/extending.md#migrating
+
+
+def test_the_public_api_names_exist():
+    api = section(DOC.read_text(), "The public API")
+    names = set(re.findall(r"`((?:privfl|attacks|defenses)(?:\.\w+)+)`", api))
+    assert len(names) > 40
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                assert hasattr(obj, attr), name
+                obj = getattr(obj, attr)
+            break
+
+
+# ------------------------------------------------------------------------------------------ example 1: the method
+def test_the_method_trains_and_sends_what_it_declares(session):
+    run = session.run("fedavgm")
+    assert len(run.metrics) == 2 and run.info["sends"] == {"update": "up", "model": "down"}
+    records = run.capture.records()
+    assert {r["kind"] for r in records} == {"model", "update"}
+    for rec in records:
+        assert KINDS.get(rec["kind"]).problems(run.capture.load(rec), rec["meta"], rec["direction"], rec["aux"]) == []
+    ups = [r for r in records if r["kind"] == "update"]
+    assert len(ups) == 20 and all(r["direction"] == "up" and r["meta"]["num_samples"] == 45 and r["meta"]["tau"] == 2 for r in ups)
+    truth = run.ground_truth()
+    assert all(len(truth.message_truth(r["seq"])["indices"]) == 45 for r in ups)  # send(..., truth=) filed the samples
+    from safetensors import safe_open
+
+    ckpt = json.loads((run.path / "checkpoint" / "checkpoint.json").read_text())
+    with safe_open(str(run.path / "checkpoint" / ckpt["file"]), "pt") as f:
+        assert "method.velocity.head.weight" in set(f.keys())  # server momentum is checkpointed for --resume
+    assert "accuracy" in session.output("check_fedavgm.py")
+    assert "update       client0->server" in session.output("privfl.capture --run runs/fedavgm list")
+
+
+def test_the_built_in_form_is_one_decorator(session):
+    """The page's diff turns the method file into a built-in: apply it under a unique name."""
+    diff = next(body for lang, body in blocks(DOC.read_text()) if lang == "diff")
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+")]
+    (context,) = [line[1:] for line in diff.splitlines() if line.startswith(" ")]
+    source = example_files(DOC.read_text())[f"{PACKAGE}/fedavgm.py"]
+    assert context in source
+    name = "fedavgm_docs_builtin"
+    patched = source.replace(context, "\n".join(added).replace('"fedavgm"', f'"{name}"') + "\n" + context)
+    module = types.ModuleType("docs_builtin_fedavgm")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    try:
+        exec(compile(patched, "privfl/methods/fedavgm.py", "exec"), module.__dict__)
+        cls = resolve_method(name)
+        check_method_class(cls)
+        assert cls is module.FedAvgM and name in METHODS.names()
+    finally:
+        METHODS._entries.pop(name, None)
+        del sys.modules[module.__name__]
+
+
+# ------------------------------------------------------------------------------------------ example 2: the attack
+def test_the_attacks_ran_and_were_scored(session):
+    out = session.output("attack_fedavgm.py")
+    assert len(re.findall(r"client\d: recovered (\d+) of its \1 classes", out)) >= 8  # exact label sets, nearly all clients
+    report = json.loads((session.root / "runs/fedavgm/attacks/idlg-update-r1/metrics.json").read_text())
+    assert report["protocol"]["artifact"] == "update" and report["protocol"]["family"] == "gradient"
+    listing = session.output("attack list --run runs/fedavgm")
+    assert "labelset applies to update (last round 1): 10 target(s)" in listing
+    assert "dlg      applies to update" in listing and "invert   does not apply: attack invert needs extractor" in listing
+
+
+# ------------------------------------------------------------------------------------------ example 3: the defense
+def test_the_defense_is_applied_through_the_flag(session):
+    run = session.run("fedavgm-sign")
+    assert run.summary["defenses"] == {"signcomp:directions=up": {"defended_messages": 20}}
+    view = run.attacker
+    tensors = view.load(view.messages("update", round=1)[0])
+    assert all(len(t.abs().unique()) <= 2 for t in tensors.values())
+    assert "recovered exactly despite the defense: 10 of 10" in session.output("check_signcomp.py")
+    assert parse_defense("signcomp:magnitude=0.5,directions=up+down").spec == "signcomp:directions=down+up,magnitude=0.5"
+    with pytest.raises(ConfigError, match="magnitude must be a positive number"):
+        parse_defense("signcomp:magnitude=0")
+
+
+# ------------------------------------------------------------------------------------------ example 4: the kind
+def test_the_kind_is_captured_checked_defended_and_attacked(session):
+    body = KINDS.get("body")
+    assert body.family is Family.PARAMETERS and body.form is not None and body.closed
+    run = session.run("fedper")
+    records = run.capture.records()
+    assert {r["kind"] for r in records} == {"body"}
+    assert all(name.startswith("features.") for r in records for name in r["tensors"])  # the head never left
+    assert run.summary["defenses"] == {"clip:directions=up,max_norm=5.0": {"defended_messages": 20}}
+    assert ATTACKS.get("ig").takes("body") and not ATTACKS.get("invert").takes("body")
+    report = json.loads((session.root / "runs/fedper/attacks/ig-body-r1/metrics.json").read_text())
+    assert report["protocol"]["artifact"] == "body" and "random probe" in report["protocol"]["approximation"]
+    listing = session.output("attack list --run runs/fedper")
+    assert "labelset does not apply: body messages carry no (10, d) float layer" in listing and "dlg      applies to body" in listing
+
+    up = run.capture.load(next(r for r in records if r["direction"] == "up"))
+    channel = Channel(method="fedper", sends={"body": "up/down"})
+    channel.send(Message(0, "client0", "server", "body", up, {"num_samples": 45}))
+    with pytest.raises(MessageContractError, match=r"undeclared tensor\(s\) 'head.weight'"):
+        channel.send(Message(0, "client0", "server", "body", {**up, "head.weight": torch.zeros(10, 512)}, {"num_samples": 45}))
+    with pytest.raises(MessageContractError, match="missing meta 'num_samples'"):
+        channel.send(Message(0, "client0", "server", "body", up))
+    channel.send(Message(0, "server", "client0", "body", up))  # broadcasts need no sample count
+
+
+# ------------------------------------------------------------------------------------------ migrating
+def test_the_migration_claims_hold(tmp_path, monkeypatch):
+    migrating = section(DOC.read_text(), "Migrating")
+    for removed in ("attacks.groundtruth", "attacks.targets"):
+        assert removed in migrating and importlib.util.find_spec(removed) is None
+    import defenses
+
+    assert not any(hasattr(defenses, k) for k in ("PARAMETER_KINDS", "FULL_PARAMETER_KINDS", "REPRESENTATION_KINDS"))
+    assert not any("PRIVFL_FAULT" in p.read_text() for p in (ROOT / "privfl").rglob("*.py"))
+    (tmp_path / "legacy_doc_fl.py").write_text(
+        "from privfl.methods import FLMethod\n"
+        "class Hook(FLMethod):\n"
+        "    sends = {'model': 'up/down'}\n"
+        "    def leakage_module(self, kind, req):\n"
+        "        return None\n"
+        "class Translated(FLMethod):\n"
+        "    sends = {'small_model': 'up/down'}\n"
+        "    parameter_kinds = {'small_model': 'small_model'}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("docs/extending.md#migrating")):
+        resolve_method("legacy_doc_fl:Hook")
+    ctx = resolve_method("legacy_doc_fl:Translated").leakage_context("small_model")
+    assert ctx is not None and ctx.previous == "small_model" and ctx.module == ""
