@@ -12,7 +12,8 @@ and implements two steps:
 
 - ``plan(view, selection) -> Plan``: the targets it would attack in a run (an
   :class:`~privfl.run.AttackerView`, which holds no ground truth), or the reason none applies.
-  Planning reads the capture index only, never tensors, so listing what applies is cheap;
+  Planning reads the capture index, and only the tensors a check cannot do without (a parameter
+  message's previous state), so listing what applies stays cheap;
 - ``run(target) -> Reconstruction``: one target; ``run_batch`` attacks several (the default loops,
   attacks that batch override it).
 
@@ -35,8 +36,26 @@ from privfl.kinds import KINDS, Family
 from privfl.registry import Registry
 from privfl.run import AttackerView
 
+
+def _check_attack(name: str, cls: type[Attack]) -> None:
+    """What every registered attack declares (LeakPro's lesson: no silent defaults)."""
+    if not (isinstance(cls, type) and issubclass(cls, Attack)):
+        raise TypeError(f"attack {name}: register a subclass of attacks.Attack (docs/extending.md#migrating)")
+    if not isinstance(getattr(cls, "needs", None), Knowledge):  # Attack itself declares no default
+        raise TypeError(f"attack {name}: declare needs = Knowledge(...) on the class (no default)")
+    if not cls.consumes or cls.threat_model not in THREAT_MODELS:
+        raise TypeError(f"attack {name}: declare consumes and a threat_model from attacks.threat.THREAT_MODELS")
+    if not cls.produces or not cls.produces <= OUTPUTS:
+        raise TypeError(f"attack {name}: produces must be a non-empty subset of {sorted(OUTPUTS)}")
+    if cls.name and cls.name != name:
+        raise TypeError(f"attack class {cls.__name__} is named {cls.name!r}, registered as {name!r}")
+    cls.name = name
+
+
 #: attack name -> :class:`Attack` subclass (built-ins found in the ``attacks`` package on first lookup)
-ATTACKS: Registry[type[Attack]] = Registry("attack", discover=["attacks"])
+ATTACKS: Registry[type[Attack]] = Registry("attack", discover=["attacks"], validate=_check_attack)
+#: what an attack's reconstructions hold: images (scored by the family's image rule) or labels
+OUTPUTS = frozenset({"images", "labels"})
 
 #: ``progress(label, step, steps, loss)``, called once per optimisation step
 Progress = Callable[[str, int, int, float], None]
@@ -96,11 +115,12 @@ class Target:
 
 @dataclass
 class Reconstruction:
-    """What an attack got out of one target: images in [0, 1] (B, C, H, W), recovered labels, the
-    final loss of its objective, wall time, snapshots along the optimisation and free-form notes."""
+    """What an attack got out of one target: images in [0, 1] (B, C, H, W) (None for an attack that
+    produces labels only), recovered labels, the final loss of its objective, wall time, snapshots
+    along the optimisation and free-form notes."""
 
     target: Target
-    images: torch.Tensor
+    images: torch.Tensor | None
     loss: float
     seconds: float
     labels: torch.Tensor | None = None
@@ -110,6 +130,8 @@ class Reconstruction:
     @property
     def image(self) -> torch.Tensor:
         """The first (for one-image targets, the only) reconstruction, (C, H, W)."""
+        if self.images is None:
+            raise ValueError(f"{self.target.key}: this attack produced labels, not images")
         return self.images[0]
 
 
@@ -134,15 +156,22 @@ class Plan:
         return sorted({t.round for t in self.targets})
 
 
+@dataclass
+class NoOptions:
+    """The options of an attack that has none."""
+
+
 class Attack:
     """Base class of every attack (see the module docstring)."""
 
     name: ClassVar[str] = ""
     consumes: ClassVar[frozenset[str]] = frozenset()
     needs: ClassVar[Knowledge]
+    #: what reconstructions hold: {"images"} (the default) or {"labels"} (label inference)
+    produces: ClassVar[frozenset[str]] = frozenset({"images"})
     threat_model: ClassVar[str] = ""
     paper: ClassVar[str] = ""
-    Config: ClassVar[type] = object
+    Config: ClassVar[type] = NoOptions
 
     def __init__(self, config: Any = None, *, seed: int = 0, device: torch.device | str = "cpu", **options: Any):
         if config is None:
@@ -200,9 +229,16 @@ class Attack:
         kinds = self.candidate_kinds(view)
         if selection.kind is not None:
             if selection.kind not in kinds:
-                plan.reason = str(
-                    ConfigError(f"unknown artifact kind for {self.name} in this run {selection.kind!r}; accepted: {', '.join(kinds) or '(none)'}")
-                )
+                accepted = f"accepted: {', '.join(kinds) or '(none)'}"
+                if selection.kind not in view.kinds():
+                    plan.reason = f"unknown artifact kind for {self.name} in this run {selection.kind!r}; {accepted}"
+                elif not self.takes(selection.kind):
+                    family = KINDS.get(selection.kind).family
+                    plan.reason = (
+                        f"{self.name} does not take {selection.kind!r} (family {family}; it takes {', '.join(sorted(self.consumes))}); {accepted}"
+                    )
+                else:
+                    plan.reason = f"{self.name} reads no {selection.kind} message of this run (it reads what clients send); {accepted}"
                 return plan
             kinds = [selection.kind]
         if not kinds:
@@ -253,7 +289,7 @@ class Attack:
         """What this attack records with every result: its options."""
         cfg = self.config
         # a config is an instance (never a dataclass type): the isinstance test only narrows the type for asdict
-        return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else dict(vars(cfg))}
+        return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else {}}
 
 
 def configure(config: Any, options: dict[str, Any], name: str) -> Any:
@@ -274,13 +310,9 @@ def create_attack(name: str, config: Any = None, *, seed: int = 0, device: torch
 
 
 def register_attack(name: str) -> Callable[[type[Attack]], type[Attack]]:
-    """Class decorator: check the declarations, then register under ``name``."""
+    """Class decorator: set the attack's name, check its declarations, register it under ``name``."""
 
     def add(cls: type[Attack]) -> type[Attack]:
-        if not isinstance(getattr(cls, "needs", None), Knowledge):  # Attack itself declares no default
-            raise TypeError(f"attack {name}: declare needs = Knowledge(...) on the class (no default)")
-        if not cls.consumes or cls.threat_model not in THREAT_MODELS:
-            raise TypeError(f"attack {name}: declare consumes and a threat_model from attacks.threat.THREAT_MODELS")
         cls.name = name
         ATTACKS.register(name, cls)
         return cls

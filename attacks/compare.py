@@ -242,7 +242,7 @@ def compare_artifacts(
             title=f"Representation vs prototype vs entangled representation ({run.method})",
             heading=f"{client}, round {rnd}",
             gallery_title=f"{run.method}: {client}, round {rnd}: what each artifact reveals",
-            reconstructions={f"{k}.{i}": by_key[t.key].images for k in kinds for i, t in enumerate(p.targets[k])},
+            reconstructions={f"{k}.{i}": by_key[t.key].image.unsqueeze(0) for k in kinds for i, t in enumerate(p.targets[k])},
             text="Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored extractor and data.",
         )
     return report

@@ -115,6 +115,56 @@ def save_gallery(
     return out
 
 
+def save_label_grid(
+    path: str | os.PathLike,
+    grid: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+    class_names: Sequence[str],
+    title: str = "",
+    dpi: int = 100,
+) -> Path:
+    """A clients x classes picture of label inference: each cell says whether the client's message had
+    the class behind it and whether the attack named it (hit, missed, false alarm, neither)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    colours = ["#ffffff", "#b0b0b0", "#d62728", "#2ca02c"]  # neither, missed, false alarm, hit
+    codes = np.zeros((len(grid), len(class_names)), dtype=int)
+    for i, (_, true, found) in enumerate(grid):
+        t, f = set(true), set(found)
+        for c in range(len(class_names)):
+            codes[i, c] = (c in t) * 1 + (c in f) * 2  # 0 neither, 1 missed, 2 false alarm, 3 hit
+    fig = Figure(figsize=(max(4.0, 0.45 * len(class_names) + 2.5), max(2.5, 0.35 * len(grid) + 1.8)), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.imshow(codes, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(len(class_names)), [str(c)[:10] for c in class_names], rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(grid)), [row[0] for row in grid], fontsize=7)
+    ax.set_xticks(np.arange(-0.5, len(class_names)), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(grid)), minor=True)
+    ax.grid(which="minor", color="#dddddd", linewidth=0.5)
+    ax.tick_params(which="minor", length=0)
+    ax.legend(
+        handles=[
+            Patch(color=colours[3], label="named, present"),
+            Patch(color=colours[1], label="present, missed"),
+            Patch(color=colours[2], label="named, absent"),
+        ],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+    )
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
 # ------------------------------------------------------------------------------------------ metrics
 def _jsonable(v: Any) -> Any:
     """Plain JSON values: numpy/torch scalars -> numbers, paths -> str, non-finite floats -> None

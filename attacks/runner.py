@@ -150,7 +150,7 @@ def run_attack(
 
     truth = run.ground_truth(data_root)  # opened only now, for scoring
     family = KINDS.get(kind).family
-    scorer = scorer_for(family)
+    scorer = scorer_for(family, attack.produces)
     title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
     scored = scorer.score(recons, truth, title, seconds)
     protocol = {
@@ -182,7 +182,7 @@ def run_attack(
             title=f"{attack.name} on {kind}: {run.method} round {rnd}",
             heading=heading,
             gallery_title=f"{attack.name} on {kind} ({run.method}, round {rnd})",
-            reconstructions={r.target.key.replace("/", "."): r.images for r in recons},
+            reconstructions={r.target.key.replace("/", "."): r.images for r in recons if r.images is not None},
         )
     return report
 
@@ -201,23 +201,29 @@ def write_report(
 ) -> Path:
     """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
     ``RUN/attacks/<name>`` whole."""
-    from attacks.report import save_gallery, write_html, write_metrics
+    from attacks.report import save_gallery, save_label_grid, write_html, write_metrics
 
     check_output_name(name)
     final = run.path / "attacks" / name
     final.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
-    save_gallery(
-        folder / "gallery.png",
-        scored.truth_images,
-        scored.gallery_rows,
-        captions=scored.captions,
-        title=gallery_title,
-        per_image_labels=scored.labels,
-    )
-    save_file({k: v.contiguous() for k, v in reconstructions.items()}, str(folder / "reconstructions.safetensors"))
+    if scored.label_grid is not None:
+        picture = "labels.png"
+        save_label_grid(folder / picture, scored.label_grid, run.dataset["class_names"], title=gallery_title)
+    else:
+        picture = "gallery.png"
+        save_gallery(
+            folder / picture,
+            scored.truth_images,
+            scored.gallery_rows,
+            captions=scored.captions,
+            title=gallery_title,
+            per_image_labels=scored.labels,
+        )
+    if reconstructions:
+        save_file({k: v.contiguous() for k, v in reconstructions.items()}, str(folder / "reconstructions.safetensors"))
     write_metrics(folder, scored.rows, scored.summary, protocol)
-    section = {"heading": heading, "protocol": protocol, "images": "gallery.png", "summary": scored.summary}
+    section = {"heading": heading, "protocol": protocol, "images": picture, "summary": scored.summary}
     if text:
         section["text"] = text
     write_html(folder, title, [section])

@@ -93,16 +93,18 @@ def headline(scores: dict[str, float | int]) -> str:
 
 @dataclass
 class Scored:
-    """Per-image rows, the summary, and the gallery: truth images above rows of reconstructions."""
+    """Per-image (or per-message) rows, the summary, and the picture: an image gallery (truth images
+    above rows of reconstructions) or, for label inference, a clients x classes grid."""
 
     rows: list[dict[str, Any]]
     summary: dict[str, Any]
-    truth_images: torch.Tensor
+    truth_images: torch.Tensor | None
     gallery_rows: list[tuple[str, torch.Tensor]]
     captions: list[str]
     labels: dict[str, list[str]] = field(default_factory=dict)
     rule: str = ""
     headline_metric: str = "psnr"
+    label_grid: list[tuple[str, list[int], list[int]]] | None = None  # (client, true classes, recovered classes)
 
 
 class RepresentationScorer:
@@ -175,11 +177,13 @@ class BatchScorer:
             assert seq is not None  # gradients and parameters are attacked in captured messages only
             t = truth.message_truth(seq)
             cand = truth.images(t["indices"])
-            batch = int(r.notes.get("batch_size", len(r.images)))
+            images = r.images
+            assert images is not None  # image attacks only (scorer_for routes label-only attacks elsewhere)
+            batch = int(r.notes.get("batch_size", len(images)))
             exact = len(t["indices"]) == batch
-            pairs = hungarian_match(r.images, cand) if exact else [(i, best_match(r.images[i], cand)[0]) for i in range(len(r.images))]
+            pairs = hungarian_match(images, cand) if exact else [(i, best_match(images[i], cand)[0]) for i in range(len(images))]
             for i, j in pairs:
-                s = {k: v[0] for k, v in score_images(r.images[i : i + 1], cand[j : j + 1]).items()}
+                s = {k: v[0] for k, v in score_images(images[i : i + 1], cand[j : j + 1]).items()}
                 rows.append(
                     {
                         "client": r.target.client,
@@ -195,7 +199,7 @@ class BatchScorer:
                     }
                 )
                 truth_row.append(cand[j])
-                final_row.append(r.images[i])
+                final_row.append(images[i])
                 labels.append(f"PSNR {s['psnr']:.1f} dB")
                 for step, x in r.snapshots[:-1]:
                     snap_rows.setdefault(step, []).append(x[i])
@@ -212,12 +216,64 @@ class BatchScorer:
         return Scored(rows, summary, torch.stack(truth_row), gallery, [row["client"] for row in rows], {title: labels}, self.rule)
 
 
-def scorer_for(family: Family) -> RepresentationScorer | BatchScorer:
+class LabelScorer:
+    """Label inference: the classes an attack says are behind a message against the classes that are.
+
+    Per message: precision (recovered classes that are really there), recall (true classes recovered),
+    F1 and whether the sets are equal; the summary averages them over messages."""
+
+    rule = "recovered class set against the classes of the samples behind the message"
+
+    def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
+        rows: list[dict[str, Any]] = []
+        grid: list[tuple[str, list[int], list[int]]] = []
+        for r in recons:
+            t = truth.message_truth(r.target.message_seq) if r.target.message_seq is not None else {}
+            if "labels" in t:
+                true = set(t["labels"].tolist())
+            elif "indices" in t:
+                true = set(truth.labels[t["indices"]].tolist())
+            else:
+                true = set(truth.labels[truth.client_train(r.target.client)].tolist())
+            found = set(r.labels.tolist()) if r.labels is not None else set()
+            hit = len(found & true)
+            precision = hit / len(found) if found else 1.0
+            recall = hit / len(true) if true else 1.0
+            f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+            rows.append(
+                {
+                    "client": r.target.client,
+                    "round": r.target.round,
+                    "kind": r.target.kind,
+                    "message_seq": r.target.message_seq,
+                    "recovered": sorted(found),
+                    "true": sorted(true),
+                    "precision": precision,
+                    "recall": recall,
+                    "f1": f1,
+                    "exact": found == true,
+                    "seconds": r.seconds,
+                    **{k: v for k, v in r.notes.items() if isinstance(v, (str, int, float))},
+                }
+            )
+            grid.append((r.target.client, sorted(true), sorted(found)))
+        summary = {
+            "messages": len(rows),
+            "seconds_per_message": round(seconds / max(len(rows), 1), 3),
+            **summarize({m: [float(row[m]) for row in rows] for m in ("precision", "recall", "f1", "exact")}),
+        }
+        return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="f1", label_grid=grid)
+
+
+def scorer_for(family: Family, produces: frozenset[str] = frozenset({"images"})) -> RepresentationScorer | BatchScorer | LabelScorer:
+    """The scoring rule for an attack's output on a kind of ``family``."""
+    if "images" not in produces:
+        return LabelScorer()
     if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
         return RepresentationScorer()
     if family in (Family.GRADIENT, Family.PARAMETERS):
         return BatchScorer()
-    raise ValueError(f"no scoring rule for the {family} family yet")
+    raise ValueError(f"no image scoring rule for the {family} family yet")
 
 
-__all__ = ["BatchScorer", "Candidates", "RepresentationScorer", "Scored", "candidates", "headline", "score", "scorer_for"]
+__all__ = ["BatchScorer", "Candidates", "LabelScorer", "RepresentationScorer", "Scored", "candidates", "headline", "score", "scorer_for"]

@@ -264,6 +264,8 @@ def register_defense(cls: D) -> D:
     """Class decorator: add ``cls`` to :data:`DEFENSES` under ``cls.name``."""
     if not cls.name or not dataclasses.is_dataclass(cls.Params):
         raise TypeError(f"{cls.__name__} needs a name and a dataclass Params")
+    if "default_kinds" in vars(cls):  # the earlier declaration: a set of kind names
+        raise TypeError(f"{cls.__name__}.default_kinds is no longer read: declare families = frozenset({{Family...}}) (docs/extending.md#migrating)")
     if not cls.families or not all(isinstance(f, Family) for f in cls.families):
         raise TypeError(f"{cls.__name__}.families must be a non-empty set of privfl.kinds.Family")
     DEFENSES.register(cls.name, cls)

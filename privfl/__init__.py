@@ -6,7 +6,7 @@ The public API (stable; see docs/extending.md):
   callable; ``python -m privfl.train`` is its CLI);
 - ``privfl.Run``: a run directory as one object (``Run.open(path)``), with its attacker view, ground
   truth and models;
-- ``privfl.TrainConfig``; the registries ``privfl.methods.METHODS``, ``privfl.kinds.KINDS``,
+- ``privfl.TrainConfig``, ``privfl.TrainCallback`` (hooks into a run); the registries ``privfl.methods.METHODS``, ``privfl.kinds.KINDS``,
   ``privfl.models.MODELS``/``MODEL_GROUPS``, ``privfl.data.DATASETS``/``PARTITIONS``; the method
   contract ``privfl.methods.FLMethod`` with ``LeakageContext`` and ``LocalTrainer``; the kind
   vocabulary ``privfl.kinds`` (``ArtifactKind``, ``register_kind``).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.2.0"
-__all__ = ["Run", "TrainConfig", "__version__", "train"]
+__all__ = ["Run", "TrainCallback", "TrainConfig", "__version__", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +28,10 @@ def __getattr__(name: str) -> Any:
         from privfl.run import Run
 
         return Run
+    if name == "TrainCallback":
+        from privfl.engine import TrainCallback
+
+        return TrainCallback
     if name == "TrainConfig":
         from privfl.config import TrainConfig
 

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from privfl.cli import run_cli
+from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
 from privfl.errors import ConfigError
 from privfl.runs import swap_in_folder
 
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data-root", help="where the run's dataset lives, if not where training found it")
     common.add_argument("--name", help="output folder name (default from the options)")
     common.add_argument("--no-progress", action="store_true")
+    common.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     fmt = argparse.ArgumentDefaultsHelpFormatter
     g = sub.add_parser("gradcam", parents=[common], formatter_class=fmt, help="Grad-CAM of named modules of clients' models (DRDFL Figure 7 layout)")
     g.add_argument("--run", help="run directory or name (default: the latest)")
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    load_plugins(argv)
     args = build_parser().parse_args(argv)
     return gradcam_command(args) if args.command == "gradcam" else tsne_command(args)
 

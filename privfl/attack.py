@@ -5,6 +5,7 @@
     python -m privfl.attack invert --artifact proto --clients 0,3 --steps 1000
     python -m privfl.attack invert --compare rep,proto,ent_rep    # FedRE Figure 4 on one client
     python -m privfl.attack dlg --artifact grad --clients 0       # gradient leakage (also idlg, ig)
+    python -m privfl.attack run NAME --artifact KIND --option k=v --plugin mypkg   # any registered attack, yours included
 
 This module only parses arguments, calls the attack runner (:func:`attacks.run_attack`,
 :func:`attacks.compare_artifacts`) and prints. Outputs go to ``RUN/attacks/<name>/``: ``gallery.png``
@@ -18,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from privfl.cli import run_cli
+from privfl.cli import PLUGIN_HELP, run_cli
 from privfl.errors import ConfigError
 
 GRADLEAK = {
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--run", help="run directory (default: the latest)")
     common.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
+    common.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     sub.add_parser("list", parents=[common], help="the attacks that apply to a run (and why the others do not)")
     inv = sub.add_parser(
         "invert",
@@ -90,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
             "(Inverting Gradients' FedAvg variant); 'auto' = the local steps the message and the run's config imply",
         )
         _add_run_options(g)
+    gen = sub.add_parser(
+        "run",
+        parents=[common],
+        help="any registered attack by name (a plug-in's too), options as key=value",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    gen.add_argument("attack", help="registered attack name (python -m privfl.attack list shows them)")
+    gen.add_argument("--artifact", help="kind to attack (default: the one kind of the run the attack takes)")
+    gen.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
+    gen.add_argument("--clients", help="comma list of client ids; default: all")
+    gen.add_argument("--max-targets", type=int, default=4, help="rows attacked per message (representation kinds)")
+    gen.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a field of the attack's Config (repeatable)")
+    _add_run_options(gen)
     return parser
 
 
@@ -152,9 +168,41 @@ def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def attack_options(name: str, items: list[str]) -> dict[str, Any]:
+    """``["steps=3", "tv_weight=0.1"]`` -> options typed by the attack's Config fields (one-line errors)."""
+    import dataclasses
+    import typing
+
+    from attacks import ATTACKS
+    from privfl.config import parse_scalar
+
+    config_cls = ATTACKS.get(name).Config
+    fields = {f.name: f for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else {}
+    hints = typing.get_type_hints(config_cls) if fields else {}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in fields:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields) or '(none)'} (attack {name})")
+        kinds = [t for t in typing.get_args(hints[key]) or (hints[key],) if t in (bool, int, float, str)]
+        for tp in kinds or [str]:
+            try:
+                out[key] = parse_scalar(value, tp)
+                break
+            except (TypeError, ValueError):
+                continue
+        else:
+            raise ConfigError(f"--option {item!r}: {value!r} is not a valid {' or '.join(t.__name__ for t in kinds)}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from privfl.cli import load_plugins
     from privfl.run import Run
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    load_plugins(argv)
     args = build_parser().parse_args(argv)
     run = Run.open(args.run, args.out_dir)
     if args.command == "list":
@@ -173,7 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from attacks import run_attack
 
-    if args.command == "invert":
+    if args.command == "run":
+        _positive("--max-targets", args.max_targets)
+        report = run_attack(
+            run,
+            args.attack,
+            kind=args.artifact,
+            round=args.round,
+            clients=clients,
+            max_targets=args.max_targets,
+            options=attack_options(args.attack, args.option),
+            **common,
+        )
+    elif args.command == "invert":
         _positive("--max-targets", args.max_targets)
         report = run_attack(
             run, "invert", kind=args.artifact, round=args.round, clients=clients, max_targets=args.max_targets, options=invert_options(args), **common
@@ -209,7 +269,10 @@ def list_attacks(run: Any) -> int:
 
 def print_report(report: Any) -> None:
     s = report.summary
-    if "targets" in s:  # representation inversion
+    if "f1" in s:  # label inference
+        print(f"{report.attack} on {report.kind} r{report.round}: {s['messages']} message(s)")
+        print(f"  precision {s['precision']:.3f}  recall {s['recall']:.3f}  F1 {s['f1']:.3f}  exact sets {s['exact']:.3f}")
+    elif "targets" in s:  # representation inversion
         print(f"{report.kind} r{report.round}: {s['targets']} target(s), {s['seconds_per_target']:.2f} s per target")
         for k in ("exact_psnr255", "exact_mse255", "best_psnr255", "best_mse255", "best_ssim", "mean_psnr255", "mean_mse255"):
             if k in s:

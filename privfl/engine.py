@@ -29,14 +29,14 @@ from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
+from privfl.methods.base import EXPOSURES
 from privfl.methods.trainer import LocalTrainer
 from privfl.run import Run
 from privfl.runs import latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
-THREAT_MODELS = {
-    "extractor": "honest-but-curious server with white-box access to each client's extractor incl. RM (FedRE [000] Sec. 3 threat model)",
-}
+#: the threat model each kind of exposed knowledge stands for (declared with the method contract)
+THREAT_MODELS = EXPOSURES
 
 
 def resolve_device(name: str) -> torch.device:

@@ -349,8 +349,13 @@ def example_message(kind: str, direction: str = "up", *, rows: int = 3, dim: int
     gen = torch.Generator().manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}
     for t in spec.tensors:
-        if t.is_pattern:
-            tensors.update({"layer.weight": torch.randn(num_classes, dim, generator=gen), "layer.bias": torch.randn(num_classes, generator=gen)})
+        if t.is_pattern:  # a state dict: a linear layer whose names the pattern matches
+            parts: tuple[tuple[str, tuple[int, ...]], ...] = (("layer.weight", (num_classes, dim)), ("layer.bias", (num_classes,)))
+            for part, part_shape in parts:
+                name = t.name.replace("*", part, 1).replace("?", "x").replace("[", "").replace("]", "")
+                if not t.matches(name):
+                    raise ValueError(f"kind {kind}: cannot name an example tensor for pattern {t.name!r}")
+                tensors[name] = torch.randn(part_shape, generator=gen)
             continue
         ndim = 1 if t.ndim is None else t.ndim
         shape = {0: (), 1: (rows,), 2: (rows, dim)}.get(ndim, (rows,) * ndim)

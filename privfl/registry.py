@@ -25,11 +25,12 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Maps names to objects (classes or factories) of one kind."""
 
-    def __init__(self, kind: str, discover: Sequence[str] = ()):
+    def __init__(self, kind: str, discover: Sequence[str] = (), validate: Callable[[str, T], None] | None = None):
         self.kind = kind
         self._entries: dict[str, T] = {}
         self._discover = tuple(discover)
         self._discovered = not self._discover
+        self._validate = validate  # raises (TypeError) for an entry that breaks the registry's contract
 
     def _load_builtins(self) -> None:
         """Import every module of the ``discover`` packages once (their decorators register)."""
@@ -52,10 +53,19 @@ class Registry(Generic[T]):
         def add(target: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            if self._validate is not None:
+                self._validate(name, target)
             self._entries[name] = target
             return target
 
         return add(obj) if obj is not None else add
+
+    def unregister(self, name: str) -> T:
+        """Remove and return an entry (for tests that register throw-away plug-ins); unknown names raise."""
+        self._load_builtins()
+        if name not in self._entries:
+            raise UnknownNameError(self.kind, name, self._entries)
+        return self._entries.pop(name)
 
     def get(self, name: str) -> T:
         self._load_builtins()

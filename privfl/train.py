@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from privfl.cli import run_cli
+from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
 from privfl.config import TrainConfig, add_dataclass_arguments, build_config, load_saved_config, read_config_file
 from privfl.errors import ConfigError
 
@@ -89,6 +89,7 @@ def build_parser(method_cls: type[FLMethod] | None = None) -> argparse.ArgumentP
     parser.add_argument("method", nargs="?", default=argparse.SUPPRESS, help="method name (default: fedre)")
     parser.add_argument("--config", help="TOML or YAML file of options (command-line flags win)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="RUN", help="resume a run (default: the latest)")
+    parser.add_argument("--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=PLUGIN_HELP)
     add_dataclass_arguments(parser.add_argument_group("run options"), TrainConfig, skip={"method"})
     if method_cls is not None and fields(method_cls.Options):
         group = parser.add_argument_group(f"{method_cls.name or method_cls.__name__} options")
@@ -123,11 +124,13 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
     from privfl.runs import resolve_run
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    load_plugins(argv)
     method_name = _method_from_argv(argv)
     method_cls = resolve_method(method_name) if method_name else None
     args = vars(build_parser(method_cls).parse_args(argv))
     config_path = args.pop("config", None)
     resume_run = args.pop("resume", None)
+    args.pop("plugin", None)
 
     if resume_run is not None:
         run_dir = resolve_run(resume_run, args.get("out_dir", "runs"))

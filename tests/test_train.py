@@ -188,6 +188,9 @@ def test_retired_hooks_and_bad_declarations_fail_when_loaded(tmp_path, monkeypat
         "        return None\n"
         "class Unknown(FLMethod):\n"
         "    sends = {'weights': 'up'}\n"
+        "class Exposes(FLMethod):\n"
+        "    sends = {'rep': 'up'}\n"
+        "    exposes = ('weights',)\n"
         "class Legacy(FLMethod):\n"
         "    sends = {'small_model': 'up/down'}\n"
         "    parameter_kinds = {'small_model': 'small_model'}\n"
@@ -196,6 +199,8 @@ def test_retired_hooks_and_bad_declarations_fail_when_loaded(tmp_path, monkeypat
     out = ["--out-dir", str(tmp_path), "--run-name", "x", *QUICK]
     err = cli_error(capsys, train_main, ["legacy_fl:Hook", *out])
     assert "leakage_module is no longer called" in err and "LeakageContext" in err
+    err = cli_error(capsys, train_main, ["legacy_fl:Exposes", *out])
+    assert "exposes names 'weights'" in err and "accepted: extractor" in err
     err = cli_error(capsys, train_main, ["legacy_fl:Unknown", *out])
     assert "unknown kind 'weights'" in err and "register_kind" in err
     assert not (tmp_path / "x").exists()

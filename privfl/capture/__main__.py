@@ -1,11 +1,12 @@
 # fmt: off
 # (the formatter would dedent the examples; this docstring is --help's description, printed as written)
-"""``python -m privfl.capture list|show|verify``: inspect and check a run's capture.
+"""``python -m privfl.capture list|show|verify|stats|kinds``: inspect and check a run's capture.
 
-    python -m privfl.capture list                   # messages of the latest run
+    python -m privfl.capture list                   # messages of the latest run (kind, family, parties, shapes)
     python -m privfl.capture list --kind ent_rep --round 19
     python -m privfl.capture show 42                # one message: index record and tensor stats
     python -m privfl.capture verify --run runs/X    # recompute every checksum (exit 1 on problems)
+    python -m privfl.capture kinds                  # the artifact-kind vocabulary: families, tensors, meta
 """
 # fmt: on
 
@@ -18,7 +19,7 @@ import sys
 from privfl.capture.message import KINDS
 from privfl.capture.store import TensorStore
 from privfl.channel import summarize_comm
-from privfl.cli import run_cli
+from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
 from privfl.errors import CaptureError, UnknownNameError
 
 
@@ -32,26 +33,58 @@ def _stores(run_dir):
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m privfl.capture", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    # --run/--out-dir/--plugin go before or after the subcommand (after: the subparser's value wins)
+    parser.add_argument("--run", default=None, help="run directory (default: the latest)")
+    parser.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common.add_argument("--run", default=argparse.SUPPRESS, help="run directory (default: the latest)")
+    common.add_argument("--out-dir", default=argparse.SUPPRESS, help="where runs live (default: runs)")
+    common.add_argument("--plugin", action="append", default=argparse.SUPPRESS, metavar="MODULE", help=PLUGIN_HELP)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser("list", parents=[common], help="one line per message", allow_abbrev=False)
+    p_list.add_argument("--kind", help="only this kind (python -m privfl.capture kinds lists them)")
+    p_list.add_argument("--round", type=int, help="only this round")
+    p_list.add_argument("--store", choices=("capture", "knowledge", "truth"), default="capture")
+    p_show = sub.add_parser("show", parents=[common], help="one message in full", allow_abbrev=False)
+    p_show.add_argument("seq", type=int)
+    p_show.add_argument("--store", choices=("capture", "knowledge", "truth"), default="capture")
+    sub.add_parser("verify", parents=[common], help="check every checksum, shape and index record", allow_abbrev=False)
+    sub.add_parser("stats", parents=[common], help="communication totals per direction and kind", allow_abbrev=False)
+    p_kinds = sub.add_parser("kinds", parents=[common], help="the artifact kinds: family, form, tensors, meta", allow_abbrev=False)
+    for p in (p_list, p_show, p_kinds):
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def print_kinds(as_json: bool) -> int:
+    """The kind vocabulary (privfl.kinds), plug-ins' kinds included."""
+    if as_json:
+        print(json.dumps([KINDS.get(n).describe() for n in KINDS.names()], indent=1))
+        return 0
+    for name in KINDS.names():
+        k = KINDS.get(name)
+        tensors = ", ".join(f"{t.name}{'' if t.required else '?'}" for t in k.tensors)
+        form = f" [{k.form}]" if k.form else ""
+        print(f"{name:<14} {k.family!s:<26}{form:<14} {tensors:<28} {k.description}")
+        for m in k.meta:
+            where = "/".join(sorted(m.directions)) if m.directions else "all"
+            print(f"{'':<14} meta {m.key}{'' if m.required else '?'}: {m.type} ({where}) {m.doc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from privfl.runs import resolve_run
 
-    parser = argparse.ArgumentParser(prog="python -m privfl.capture", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", default=None, help="run directory (default: the latest)")
-    parser.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_list = sub.add_parser("list", help="one line per message")
-    p_list.add_argument("--kind", help=f"only this kind ({', '.join(KINDS)})")
-    p_list.add_argument("--round", type=int, help="only this round")
-    p_list.add_argument("--store", choices=("capture", "knowledge", "truth"), default="capture")
-    p_show = sub.add_parser("show", help="one message in full")
-    p_show.add_argument("seq", type=int)
-    p_show.add_argument("--store", choices=("capture", "knowledge", "truth"), default="capture")
-    sub.add_parser("verify", help="check every checksum, shape and index record")
-    sub.add_parser("stats", help="communication totals per direction and kind")
-    for p in (p_list, p_show):
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
-
+    argv = list(sys.argv[1:] if argv is None else argv)
+    load_plugins(argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "kinds":
+        return print_kinds(args.json)
     run_dir = resolve_run(args.run, args.out_dir)
     stores = _stores(run_dir)
     if args.command == "verify":
@@ -81,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             shapes = " ".join(f"{k}{tuple(v['shape'])}" for k, v in r["tensors"].items())
             who = f"{r.get('sender', r.get('client', ''))}->{r.get('receiver', '')}" if "sender" in r else r.get("client", "")
-            print(f"{r['seq']:>6} r{r.get('round', ''):<4} {r.get('kind', ''):<12} {who:<22} {shapes}  {r.get('scalars', '')}")
+            kind = r.get("kind", "")
+            family = str(KINDS.get(kind).family) if kind in KINDS else ""
+            print(f"{r['seq']:>6} r{r.get('round', ''):<4} {kind:<12} {family:<26} {who:<22} {shapes}  {r.get('scalars', '')}")
         return 0
     matches = [r for r in records if r["seq"] == args.seq]
     if not matches:

@@ -130,6 +130,12 @@ class ModelRequest:
         return cls(info["archs"][index], index, ds["channels"], ds["num_classes"], ds["image_size"], cfg, opts)
 
 
+#: what a method may let an attacker have beside the messages (``FLMethod.exposes``), with its threat model;
+#: the engine stores it in the run's knowledge store and declares it in run.json
+EXPOSURES: dict[str, str] = {
+    "extractor": "honest-but-curious server with white-box access to each client's extractor incl. RM (FedRE [000] Sec. 3 threat model)",
+}
+
 PREVIOUS_RULES = ("last-received", "layer-replay")
 READOUTS = ("logits", "probe")
 
@@ -408,6 +414,9 @@ def check_method_class(cls: type[FLMethod]) -> None:
             raise ConfigError(
                 f"{label}.{hook} is no longer called (attacks read declared data, not method code): {instead}; see docs/extending.md#migrating"
             )
+    unknown = [e for e in cls.exposes if e not in EXPOSURES]
+    if unknown:
+        raise ConfigError(f"{label}.exposes names {', '.join(map(repr, unknown))}; accepted: {', '.join(EXPOSURES)}")
     for kind, ctx in cls.leakage.items():
         if kind not in cls.sends:
             raise ConfigError(f"{label}.leakage declares {kind!r}, which it does not send (sends: {', '.join(cls.sends) or 'nothing'})")
