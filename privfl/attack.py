@@ -52,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     what = inv.add_mutually_exclusive_group(required=True)
     what.add_argument("--artifact", help="kind to invert: a representation-like kind the run captured (rep, proto, ent_rep, ...)")
     what.add_argument("--compare", help="comma list of rep,proto,ent_rep: Figure-4 comparison on one client")
-    inv.add_argument("--round", type=int, help="round (default: the last one with the artifact / extractor)")
-    inv.add_argument("--clients", help="comma list of client ids (0,3 or client0,client3); default: all")
-    inv.add_argument("--max-targets", type=int, default=4, help="rows inverted per message (rep/proto)")
+    _add_selection(inv, max_targets=True)
     inv.add_argument("--samples", type=int, default=4, help="--compare: images of the client to compare on")
     inv.add_argument("--steps", type=int, default=d.steps, help="DIP optimisation steps (DIP feature inversion: 3100)")
     inv.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
@@ -73,8 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="a parameter-like kind the run's clients send: grad (FedSGD), update (FedNova), model (FedAvg), "
             "small_model (FedMRL), layer (FedFree), learngene (DRDFL), ...",
         )
-        g.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
-        g.add_argument("--clients", help="comma list of client ids; default: every sender of that round")
+        _add_selection(g)
         g.add_argument("--steps", type=int, help="optimisation steps (default: DLG/iDLG 300 L-BFGS steps, IG 4800)")
         g.add_argument("--restarts", type=int, default=1)
         g.add_argument("--lr", type=float, help="optimiser learning rate (default: DLG 1.0, IG 0.1)")
@@ -101,12 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("attack", help="registered attack name (python -m privfl.attack list shows them)")
     gen.add_argument("--artifact", help="kind to attack (default: the one kind of the run the attack takes)")
-    gen.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
-    gen.add_argument("--clients", help="comma list of client ids; default: all")
-    gen.add_argument("--max-targets", type=int, default=4, help="rows attacked per message (representation kinds)")
+    _add_selection(gen, max_targets=True)
     gen.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a field of the attack's Config (repeatable)")
     _add_run_options(gen)
     return parser
+
+
+def _add_selection(p: argparse.ArgumentParser, *, max_targets: bool = False) -> None:
+    """Which messages to attack: a round, clients, and (representation kinds) rows per message."""
+    p.add_argument("--round", type=int, help="round (default: the last one with the artifact)")
+    p.add_argument("--clients", help="comma list of client ids (0,3 or client0,client3); default: every sender of that round")
+    if max_targets:
+        p.add_argument("--max-targets", type=int, default=4, help="rows attacked per message (representation kinds)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:

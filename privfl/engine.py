@@ -35,6 +35,18 @@ from privfl.run import Run
 from privfl.runs import latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
+#: per-round communication columns of metrics.csv, averaged per round in summary.json
+COMM_COLUMNS = (
+    "upload_scalars",
+    "upload_scalars_full",
+    "upload_bytes",
+    "broadcast_scalars",
+    "broadcast_scalars_full",
+    "broadcast_bytes",
+    "peer_scalars",
+    "peer_bytes",
+)
+
 #: the threat model each kind of exposed knowledge stands for (declared with the method contract)
 THREAT_MODELS = EXPOSURES
 
@@ -322,22 +334,7 @@ class Trainer:
     def write_metrics(self) -> None:
         lines = "".join(json.dumps(h, sort_keys=True) + "\n" for h in self.history)
         atomic_write_text(self.run_dir / "metrics.jsonl", lines)
-        cols = [
-            "round",
-            "acc",
-            "acc_std",
-            "train_loss",
-            "server_loss",
-            "upload_scalars",
-            "upload_scalars_full",
-            "upload_bytes",
-            "broadcast_scalars",
-            "broadcast_scalars_full",
-            "broadcast_bytes",
-            "peer_scalars",
-            "peer_bytes",
-            "seconds",
-        ]
+        cols = ["round", "acc", "acc_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
         buf = io.StringIO()
         writer = csv.DictWriter(buf, cols, extrasaction="ignore")
         writer.writeheader()
@@ -358,19 +355,7 @@ class Trainer:
             "best_acc": best["acc"],
             "best_acc_std": best["acc_std"],
             "best_round": best["round"],
-            "per_round": {
-                k: sum(h.get(k, 0) for h in self.history) / rounds
-                for k in (
-                    "upload_scalars",
-                    "upload_scalars_full",
-                    "upload_bytes",
-                    "broadcast_scalars",
-                    "broadcast_scalars_full",
-                    "broadcast_bytes",
-                    "peer_scalars",
-                    "peer_bytes",
-                )
-            },
+            "per_round": {k: sum(h.get(k, 0) for h in self.history) / rounds for k in COMM_COLUMNS},
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
             "defenses": final.get("defenses", {}),

@@ -268,23 +268,9 @@ class GroundTruth:
     """The run's sample pool, its partition and the samples behind each message. Scoring only."""
 
     def __init__(self, run: Run | str | Path, data_root: str | None = None):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        from privfl.data import load_dataset
-
         self.run = run if isinstance(run, Run) else Run(run)
         self.run_dir = self.run.path
-        cfg = self.run.config
-        self.dataset = load_dataset(cfg["dataset"], data_root or cfg.get("data_root"), False)
-        path = self.run_dir / "truth" / "partition.safetensors"
-        try:
-            part = load_file(str(path))
-        except (FileNotFoundError, SafetensorError, OSError) as exc:
-            raise CaptureError(f"{path} is unreadable: {exc}") from None
-        subset = part.pop("subset", None)
-        self.images_u8 = self.dataset.images if subset is None else self.dataset.images[subset]
-        self.labels = self.dataset.labels if subset is None else self.dataset.labels[subset]
+        self.dataset, self.images_u8, self.labels, part = load_pool(self.run, data_root)
         self.train = {k: v for k, v in part.items() if k.startswith("train_")}
         self.store = TensorStore(self.run_dir / "truth", "truth")
         self._by_seq = {r["message_seq"]: r for r in self.store.records()}
@@ -307,6 +293,27 @@ class GroundTruth:
         return self.store.load(self._by_seq[seq])
 
 
+def load_pool(run: Run, data_root: str | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(dataset, images uint8, labels, partition tensors) of the run's sample pool: its dataset, reduced
+    to the seeded subset the run trained on when it was subsampled."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from privfl.data import load_dataset
+
+    cfg = run.config
+    dataset = load_dataset(cfg["dataset"], data_root or cfg.get("data_root"), False)
+    path = run.path / "truth" / "partition.safetensors"
+    try:
+        part = load_file(str(path))
+    except (FileNotFoundError, SafetensorError, OSError) as exc:
+        raise CaptureError(f"{path} is unreadable: {exc}") from None
+    subset = part.pop("subset", None)
+    images = dataset.images if subset is None else dataset.images[subset]
+    labels = dataset.labels if subset is None else dataset.labels[subset]
+    return dataset, images, labels, part
+
+
 def client_of(record: dict[str, Any]) -> str:
     """The client an artifact belongs to (its sender, or the receiver of a server broadcast)."""
     return record["receiver"] if record["sender"] == "server" else record["sender"]
@@ -319,4 +326,4 @@ def client_index(client: str) -> int:
     return int(text)
 
 
-__all__ = ["AttackerView", "GroundTruth", "Run", "client_index", "client_of"]
+__all__ = ["AttackerView", "GroundTruth", "Run", "client_index", "client_of", "load_pool"]

@@ -210,24 +210,19 @@ class RunModels:
 
     # ------------------------------------------------------------------ data
     @cached_property
+    def _loaded(self) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        from privfl.run import load_pool
+
+        return load_pool(self.run, self.data_root)
+
+    @property
     def dataset(self) -> Any:
-        from privfl.data import load_dataset
+        return self._loaded[0]
 
-        return load_dataset(self.config["dataset"], self.data_root or self.config.get("data_root"), False)
-
-    @cached_property
+    @property
     def _pool(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(images uint8, labels, partition tensors) of the run's (possibly subsampled) sample pool."""
-        path = self.run_dir / "truth" / "partition.safetensors"
-        try:
-            part = load_file(str(path))
-        except (FileNotFoundError, SafetensorError, OSError) as exc:
-            raise CaptureError(f"{path} is unreadable: {exc}") from None
-        subset = part.pop("subset", None)
-        ds = self.dataset
-        images = ds.images if subset is None else ds.images[subset]
-        labels = ds.labels if subset is None else ds.labels[subset]
-        return images, labels, part
+        return self._loaded[1], self._loaded[2], self._loaded[3]
 
     def client_ids(self, k: int, split: str) -> torch.Tensor:
         """Pool indices of client ``k``'s ``train`` or ``test`` samples."""

@@ -385,17 +385,8 @@ class DRDFL(FLMethod):
         decoder = Decoder(o.persona_dim + o.latent_dim, req.in_channels, req.image_size, o.decoder_width)
         if o.classifier == "resnet18-cifar":
             classifier = cifar_resnet18(req.in_channels, req.num_classes)
-        else:
-            from privfl.models import build_model
-
-            classifier = build_model(
-                req.arch,
-                in_channels=req.in_channels,
-                num_classes=req.num_classes,
-                image_size=req.image_size,
-                rep_dim=req.cfg.rep_dim,
-                mapping=req.cfg.mapping,
-            )
+        else:  # the client's --model-group model, built as every method builds it
+            classifier = super().build_client_model(req)
         adversary = nn.Sequential(nn.Linear(o.latent_dim, 128), nn.ReLU(), nn.Linear(128, req.num_classes))
         return DRDFLModel(learngene, personanet, decoder, classifier, gaussians, adversary, o)
 
