@@ -11,8 +11,9 @@ knowledge the run grants, no ground truth), runs it with a progress bar, and onl
 ground truth to score the reconstructions (the rule depends on the artifact's family, see
 :mod:`attacks.scoring`). Results are written into a temporary folder beside ``RUN/attacks/<name>``
 and swapped in whole, so a killed attack leaves the previous result, never half of a new one:
-``gallery.png``, ``metrics.json`` (protocol, summary, one row per image), ``metrics.csv``,
-``summary.csv``, ``reconstructions.safetensors`` and ``index.html``.
+``gallery.png`` (``labels.png`` for an attack that produces labels), ``metrics.json`` (protocol,
+summary, one row per image, or per message for labels), ``metrics.csv``, ``summary.csv``,
+``reconstructions.safetensors`` and ``index.html``.
 
 The CLI (``python -m privfl.attack``), the experiments and the audit all go through here; the
 rep/proto/ent_rep comparison (:mod:`attacks.compare`) uses :func:`execute` and :func:`write_report`.
@@ -148,6 +149,13 @@ def run_attack(
     targets = plan.targets
     recons, seconds = execute(attack, targets, progress=progress, desc=f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)")
 
+    if "images" in attack.produces:
+        empty = next((r for r in recons if r.images is None or len(r.images) == 0), None)
+        if empty is not None:
+            raise ConfigError(
+                f"attack {attack.name} returned no images for {empty.target.key}; an attack that infers labels "
+                "declares produces = frozenset({'labels'})"
+            )
     truth = run.ground_truth(data_root)  # opened only now, for scoring
     family = KINDS.get(kind).family
     scorer = scorer_for(family, attack.produces)

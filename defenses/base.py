@@ -46,8 +46,21 @@ REPRESENTATION_FAMILIES: frozenset[Family] = frozenset({Family.PER_SAMPLE_REPRES
 #: Message directions (see :attr:`privfl.capture.Message.direction`).
 DIRECTIONS: frozenset[str] = frozenset({"up", "down", "peer"})
 
+
+def _check_defense(name: str, cls: type[Defense]) -> None:
+    """What every registered defense declares (run on every registration, with or without the decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Defense)):
+        raise TypeError(f"defense {name}: register a subclass of defenses.Defense")
+    if cls.name != name or not dataclasses.is_dataclass(cls.Params):
+        raise TypeError(f"{cls.__name__} needs name = {name!r} and a dataclass Params")
+    if "default_kinds" in vars(cls):  # the earlier declaration: a set of kind names
+        raise TypeError(f"{cls.__name__}.default_kinds is no longer read: declare families = frozenset({{Family...}}) (docs/extending.md#migrating)")
+    if not cls.families or not all(isinstance(f, Family) for f in cls.families):
+        raise TypeError(f"{cls.__name__}.families must be a non-empty set of privfl.kinds.Family")
+
+
 #: name -> :class:`Defense` subclass (built-ins found in the ``defenses`` package on first lookup).
-DEFENSES: Registry[type[Defense]] = Registry("defense", discover=["defenses"])
+DEFENSES: Registry[type[Defense]] = Registry("defense", discover=["defenses"], validate=_check_defense)
 
 
 def is_full_parameters(kind: str) -> bool:
@@ -261,13 +274,9 @@ D = typing.TypeVar("D", bound=type[Defense])
 
 
 def register_defense(cls: D) -> D:
-    """Class decorator: add ``cls`` to :data:`DEFENSES` under ``cls.name``."""
-    if not cls.name or not dataclasses.is_dataclass(cls.Params):
-        raise TypeError(f"{cls.__name__} needs a name and a dataclass Params")
-    if "default_kinds" in vars(cls):  # the earlier declaration: a set of kind names
-        raise TypeError(f"{cls.__name__}.default_kinds is no longer read: declare families = frozenset({{Family...}}) (docs/extending.md#migrating)")
-    if not cls.families or not all(isinstance(f, Family) for f in cls.families):
-        raise TypeError(f"{cls.__name__}.families must be a non-empty set of privfl.kinds.Family")
+    """Class decorator: add ``cls`` to :data:`DEFENSES` under ``cls.name`` (checked by the registry)."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a name")
     DEFENSES.register(cls.name, cls)
     return cls
 

@@ -9,8 +9,8 @@
 
 This module only parses arguments, calls the attack runner (:func:`attacks.run_attack`,
 :func:`attacks.compare_artifacts`) and prints. Outputs go to ``RUN/attacks/<name>/``: ``gallery.png``
-(ground truth above reconstructions), ``metrics.json``/``metrics.csv``/``summary.csv``,
-``reconstructions.safetensors`` and ``index.html``.
+(ground truth above reconstructions; ``labels.png``, a clients x classes grid, for label inference),
+``metrics.json``/``metrics.csv``/``summary.csv``, ``reconstructions.safetensors`` and ``index.html``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m privfl.attack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
+    # --run/--out-dir/--plugin go before or after the subcommand (after: the subparser's value wins)
+    parser.add_argument("--run", default=None, help="run directory (default: the latest)")
+    parser.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    common.add_argument("--run", help="run directory (default: the latest)")
-    common.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
-    common.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
+    common.add_argument("--run", default=argparse.SUPPRESS, help="run directory (default: the latest)")
+    common.add_argument("--out-dir", default=argparse.SUPPRESS, help="where runs live (default: runs)")
+    common.add_argument("--plugin", action="append", default=argparse.SUPPRESS, metavar="MODULE", help=PLUGIN_HELP)
     sub.add_parser("list", parents=[common], help="the attacks that apply to a run (and why the others do not)")
     inv = sub.add_parser(
         "invert",

@@ -10,6 +10,7 @@ the capture, the defenses and the attacks of its family, end to end.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,8 +169,9 @@ def _register_sketch() -> None:
         )
 
 
-def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_path, monkeypatch, fmnist):
+def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_path, monkeypatch, fmnist, request):
     _register_sketch()
+    request.addfinalizer(lambda: KINDS.unregister(_KIND))  # leave the vocabulary as found
     assert parse_defense("repnoise").applies_to(example_message(_KIND))  # its family's defense takes it
     assert ATTACKS.get("invert").takes(_KIND) and not ATTACKS.get("dlg").takes(_KIND)
     (tmp_path / "sketch_fl.py").write_text(
@@ -265,7 +267,7 @@ def test_registering_an_attack_checks_its_declarations():
 
 
 # ------------------------------------------------------------------------------------------ plug-ins on the command line
-def test_plugins_on_the_command_line(trained, tmp_path, monkeypatch, capsys):
+def test_plugins_on_the_command_line(trained, tmp_path, monkeypatch, capsys, request):
     """--plugin MODULE makes a user's defense, kind and attack known to every CLI; `attack run NAME` runs any
     registered attack with typed --option values; a bad plug-in or option is one line."""
     from privfl.attack import main as attack_main
@@ -290,6 +292,8 @@ def test_plugins_on_the_command_line(trained, tmp_path, monkeypatch, capsys):
         "        return {k: u * self.params.factor for k, u in updates.items()}\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cli_plugin", raising=False)
+    request.addfinalizer(lambda: "test_half" in DEFENSES and DEFENSES.unregister("test_half"))  # leave the registry as found
     out = ["--out-dir", str(tmp_path), *TINY, "--rounds", "1", "--model-group", "homo-cnn4"]
     assert train_main(["fedavg", "--plugin", "cli_plugin", "--defense", "test_half:factor=0.25", *out, "--run-name", "h"]) == 0
     (spec,) = Run.open(tmp_path / "h").summary["defenses"]

@@ -3,8 +3,9 @@
 Every Python block of the page that starts with ``# file: PATH`` is written under a temporary folder,
 then every command of its ``bash`` blocks (``python -m MODULE ...`` or ``python SCRIPT``) runs there in
 the page's order, on tiny real data: the example method trains, its capture is checked, the example
-attack and a built-in one attack it, the example defense is applied through ``--defense`` and the
-example kind is sent, defended and attacked. Commands run in this process (a subprocess would import
+attack (label inference, through the runner) and a built-in one attack it, the example defense is
+applied through ``--defense`` and the example kind is sent, defended and attacked; the command lines
+load the example package with ``--plugin``. Commands run in this process (a subprocess would import
 torch again for each, several seconds apiece); what the examples register is removed afterwards so the
 rest of the suite sees the registries it expects.
 """
@@ -33,11 +34,13 @@ from attacks import ATTACKS
 from defenses import DEFENSES, parse_defense
 from privfl.capture import Message
 from privfl.channel import Channel
+from privfl.cli import run_cli
 from privfl.errors import ConfigError
-from privfl.kinds import KINDS, Family, MessageContractError
+from privfl.kinds import KINDS, Family, MessageContractError, check_message, example_message
 from privfl.methods import METHODS, check_method_class, resolve_method
 from privfl.registry import Registry
 from privfl.run import Run
+from privfl.train import main as train_main
 from tests.conftest import FMNIST, ROOT
 
 DOC = ROOT / "docs" / "extending.md"
@@ -48,6 +51,8 @@ CLIS = {"privfl.capture": "privfl.capture.__main__"}
 #: what the page's examples register, removed after the module's tests
 REGISTERED: list[tuple[Registry[Any], str]] = [(ATTACKS, "labelset"), (DEFENSES, "signcomp"), (KINDS, "body")]
 PACKAGE = "mypkg"
+#: the page's tiny settings
+TINY = ["--model-group", "homo-cnn4", "--subsample", "600", "--partition", "iid", "--rounds", "2", "--batch-size", "32", "--no-progress"]
 
 
 def blocks(text: str) -> list[tuple[str, str]]:
@@ -113,6 +118,15 @@ def run_command(argv: list[str], root: Path) -> str:
     return out.getvalue()
 
 
+def forget_package() -> None:
+    """Unregister what the page's package registered and drop its modules, as in a fresh process."""
+    for registry, name in REGISTERED:
+        if name in registry:
+            registry.unregister(name)
+    for module in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
+        del sys.modules[module]
+
+
 @dataclass
 class Session:
     root: Path
@@ -145,10 +159,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
         try:
             yield Session(root, [(" ".join(argv), run_command(argv, root)) for argv in commands(text)])
         finally:
-            for registry, name in REGISTERED:
-                registry._entries.pop(name, None)  # registries have no public unregister: plug-ins never need one
-            for module in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
-                del sys.modules[module]
+            forget_package()
 
 
 # ------------------------------------------------------------------------------------------ the page itself
@@ -202,7 +213,7 @@ def test_the_method_trains_and_sends_what_it_declares(session):
     with safe_open(str(run.path / "checkpoint" / ckpt["file"]), "pt") as f:
         assert "method.velocity.head.weight" in set(f.keys())  # server momentum is checkpointed for --resume
     assert "accuracy" in session.output("check_fedavgm.py")
-    assert "update       client0->server" in session.output("privfl.capture --run runs/fedavgm list")
+    assert re.search(r"update +gradient +client0->server", session.output("privfl.capture list --run runs/fedavgm"))
 
 
 def test_the_built_in_form_is_one_decorator(session):
@@ -228,11 +239,19 @@ def test_the_built_in_form_is_one_decorator(session):
 
 # ------------------------------------------------------------------------------------------ example 2: the attack
 def test_the_attacks_ran_and_were_scored(session):
+    assert ATTACKS.get("labelset").produces == frozenset({"labels"})
     out = session.output("attack_fedavgm.py")
     assert len(re.findall(r"client\d: recovered (\d+) of its \1 classes", out)) >= 8  # exact label sets, nearly all clients
+    folder = session.root / "runs/fedavgm/attacks/labelset-update-r1"
+    assert (folder / "labels.png").stat().st_size > 0 and not (folder / "gallery.png").exists()
+    report = json.loads((folder / "metrics.json").read_text())
+    assert report["protocol"]["artifact"] == "update" and report["protocol"]["family"] == "gradient"
+    assert report["summary"]["messages"] == 10 and report["summary"]["precision"] == 1.0  # the sign rule names no absent class
+    assert report["summary"]["recall"] >= 0.9 and f"precision {report['summary']['precision']:.3f}" in out
+    assert {"recovered", "true", "precision", "recall", "f1", "exact", "rule"} <= set(report["images"][0])  # one row per message
     report = json.loads((session.root / "runs/fedavgm/attacks/idlg-update-r1/metrics.json").read_text())
     assert report["protocol"]["artifact"] == "update" and report["protocol"]["family"] == "gradient"
-    listing = session.output("attack list --run runs/fedavgm")
+    listing = session.output("attack list --plugin mypkg --run runs/fedavgm")
     assert "labelset applies to update (last round 1): 10 target(s)" in listing
     assert "dlg      applies to update" in listing and "invert   does not apply: attack invert needs extractor" in listing
 
@@ -245,6 +264,7 @@ def test_the_defense_is_applied_through_the_flag(session):
     tensors = view.load(view.messages("update", round=1)[0])
     assert all(len(t.abs().unique()) <= 2 for t in tensors.values())
     assert "recovered exactly despite the defense: 10 of 10" in session.output("check_signcomp.py")
+    assert (session.root / "runs/fedavgm-sign/attacks/labelset-update-r1/labels.png").exists()
     assert parse_defense("signcomp:magnitude=0.5,directions=up+down").spec == "signcomp:directions=down+up,magnitude=0.5"
     with pytest.raises(ConfigError, match="magnitude must be a positive number"):
         parse_defense("signcomp:magnitude=0")
@@ -262,7 +282,7 @@ def test_the_kind_is_captured_checked_defended_and_attacked(session):
     assert ATTACKS.get("ig").takes("body") and not ATTACKS.get("invert").takes("body")
     report = json.loads((session.root / "runs/fedper/attacks/ig-body-r1/metrics.json").read_text())
     assert report["protocol"]["artifact"] == "body" and "random probe" in report["protocol"]["approximation"]
-    listing = session.output("attack list --run runs/fedper")
+    listing = session.output("attack list --plugin mypkg --run runs/fedper")
     assert "labelset does not apply: body messages carry no (10, d) float layer" in listing and "dlg      applies to body" in listing
 
     up = run.capture.load(next(r for r in records if r["direction"] == "up"))
@@ -273,6 +293,60 @@ def test_the_kind_is_captured_checked_defended_and_attacked(session):
     with pytest.raises(MessageContractError, match="missing meta 'num_samples'"):
         channel.send(Message(0, "client0", "server", "body", up))
     channel.send(Message(0, "server", "client0", "body", up))  # broadcasts need no sample count
+    example = example_message("body")
+    assert sorted(example.tensors) == ["features.layer.bias", "features.layer.weight"] and "num_samples" in example.meta
+    check_message(example)
+    assert re.search(r"^body +parameters .*features\.\*", session.output("capture kinds --plugin mypkg"), re.M)
+
+
+# ------------------------------------------------------------------------------------------ the command lines
+def test_the_command_lines_load_the_package_with_plugin(session, capsys):
+    """Each CLI, in a state where the page's package was never imported: --plugin makes its parts known."""
+    root = session.root
+    run_sign = session.run("fedavg-sign")
+    assert run_sign.method == "fedavg" and run_sign.summary["defenses"] == {"signcomp:directions=up": {"defended_messages": 20}}
+    out = session.output("privfl.attack run labelset")
+    assert "labelset on update r1: 10 message(s)" in out and "precision 1.000" in out
+    assert json.loads((root / "runs/fedavgm/attacks/labelset-tol/metrics.json").read_text())["protocol"]["config"]["tolerance"] == 0.01
+
+    def error(main: Any, argv: list[str]) -> str:
+        code = run_cli("privfl", lambda: main(argv))
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        return err
+
+    from privfl.attack import main as attack_main
+    from privfl.capture.__main__ import main as capture_main
+
+    try:
+        forget_package()
+        assert "unknown defense 'signcomp'" in error(train_main, ["fedavg", "--defense", "signcomp", *TINY, "--run-name", "no-plugin"])
+        assert not (root / "runs/no-plugin").exists()
+        listing = run_command(["-m", "privfl.attack", "list", "--run", "runs/fedavgm"], root)
+        assert "dlg      applies" in listing and "labelset" not in listing  # the package came in while planning: too late to list it
+        forget_package()
+        assert re.search(r"^body ", run_command(["-m", "privfl.capture", "kinds", "--plugin", PACKAGE], root), re.M)
+        forget_package()
+        listing = run_command(["-m", "privfl.attack", "list", "--plugin", PACKAGE, "--run", "runs/fedavgm"], root)
+        assert "labelset applies to update (last round 1): 10 target(s)" in listing
+        forget_package()
+        argv = ["run", "labelset", "--run", "runs/fedavgm", "--artifact", "update", "--name", "labelset-cli", "--no-progress", "--plugin", PACKAGE]
+        out = run_command(["-m", "privfl.attack", *argv], root)
+        assert "precision 1.000" in out and (root / "runs/fedavgm/attacks/labelset-cli/labels.png").exists()
+        forget_package()
+        # the one-line errors the page quotes
+        assert "cannot import --plugin mypkgg: No module named 'mypkgg'" in error(
+            attack_main, ["list", "--run", "runs/fedavgm", "--plugin", "mypkgg"]
+        )
+        bad_key = error(attack_main, [*argv[:-2], "--option", "nope=1", "--plugin", PACKAGE])
+        assert "--option 'nope=1': expected KEY=VALUE with KEY one of tolerance, batch_rule (attack labelset)" in bad_key
+        assert "--option 'tolerance=abc': 'abc' is not a valid float" in error(attack_main, [*argv, "--option", "tolerance=abc"])
+        assert "dlg reads no model message of this run (it reads what clients send); accepted: update" in error(
+            attack_main, ["dlg", "--artifact", "model", "--run", "runs/fedavgm"]
+        )
+        assert "cannot import --plugin" in error(capture_main, ["kinds", "--plugin", "mypkgg"])
+    finally:
+        importlib.import_module(PACKAGE)  # registered again for the other tests of this module
 
 
 # ------------------------------------------------------------------------------------------ migrating
@@ -299,3 +373,18 @@ def test_the_migration_claims_hold(tmp_path, monkeypatch):
         resolve_method("legacy_doc_fl:Hook")
     ctx = resolve_method("legacy_doc_fl:Translated").leakage_context("small_model")
     assert ctx is not None and ctx.previous == "small_model" and ctx.module == ""
+
+    class PlainAttack:  # the pre-0.2 form: any class with run(view, record)
+        def run(self, view, record):
+            return None
+
+    with pytest.raises(TypeError, match=re.escape("register a subclass of attacks.Attack (docs/extending.md#migrating)")):
+        ATTACKS.register("doc_plain_attack", PlainAttack)  # type: ignore[arg-type]  # the retired form under test
+
+    class OldDefense(defenses.Defense):
+        name = "doc_old_defense"
+        default_kinds = frozenset({"model"})  # type: ignore[assignment]  # the retired declaration under test
+
+    with pytest.raises(TypeError, match=re.escape("default_kinds is no longer read") + ".*" + re.escape("#migrating")):
+        defenses.register_defense(OldDefense)
+    assert "doc_plain_attack" not in ATTACKS and "doc_old_defense" not in DEFENSES
