@@ -157,7 +157,7 @@ def compare_artifacts(
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
     every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b)."""
     from attacks.metrics import score_images, summarize
-    from attacks.runner import base_protocol, client_names, execute, write_report
+    from attacks.runner import base_protocol, client_names, execute, resolve_attack_device, write_report
     from attacks.scoring import Scored, score
 
     run = run if isinstance(run, Run) else Run.open(run)
@@ -174,7 +174,7 @@ def compare_artifacts(
     if not rounds:
         raise CaptureError(f"the run stores no extractor of {client}")
     rnd = rounds[-1] if round is None else round
-    attack = cast(RepresentationInversion, create_attack("invert", seed=seed, device=_device(device), **(options or {})))
+    attack = cast(RepresentationInversion, create_attack("invert", seed=seed, device=resolve_attack_device(device), **(options or {})))
     reason = attack.missing_knowledge(view)
     if reason:
         raise CaptureError(reason)
@@ -246,9 +246,3 @@ def compare_artifacts(
             text="Rows marked counterfactual were not transmitted by this method; they were computed from the client's stored extractor and data.",
         )
     return report
-
-
-def _device(name: str | torch.device) -> torch.device:
-    from privfl.engine import resolve_device
-
-    return name if isinstance(name, torch.device) else resolve_device(name)

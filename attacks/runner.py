@@ -54,7 +54,8 @@ class AttackReport:
     folder: Path | None = None
 
 
-def _device(name: str | torch.device) -> torch.device:
+def resolve_attack_device(name: str | torch.device) -> torch.device:
+    """``auto`` (the GPU when there is one), ``cpu``, ``cuda``, ``cuda:N`` or a device; one-line errors."""
     from privfl.engine import resolve_device
 
     return name if isinstance(name, torch.device) else resolve_device(name)
@@ -135,7 +136,7 @@ def run_attack(
     """
     run = run if isinstance(run, Run) else Run.open(run)
     if isinstance(attack, str):
-        attack = create_attack(attack, seed=seed, device=_device(device), **(options or {}))
+        attack = create_attack(attack, seed=seed, device=resolve_attack_device(device), **(options or {}))
     elif options:
         raise ConfigError("pass options with an attack name, or configure the Attack instance yourself")
     selection = Selection(kind, None if round is None else [round], client_names(clients), max_targets)

@@ -55,6 +55,7 @@ class Run:
         self.info: dict[str, Any] = _read_json(self.path / "run.json", "run.json") if (self.path / "run.json").exists() else {}
         if not isinstance(self.config, dict) or not isinstance(self.info, dict):
             raise CaptureError(f"{self.path}: config.json and run.json must hold JSON objects")
+        self._truth: dict[str, GroundTruth] = {}  # by data root, opened on first use
 
     @classmethod
     def open(cls, path: str | Path | None = None, out_dir: str | Path = "runs") -> Run:
@@ -137,10 +138,9 @@ class Run:
     def ground_truth(self, data_root: str | None = None) -> GroundTruth:
         """The samples behind every message (scoring only: the attack runner and the metrics)."""
         key = data_root or ""
-        cache = self.__dict__.setdefault("_truth", {})
-        if key not in cache:
-            cache[key] = GroundTruth(self, data_root)
-        return cache[key]
+        if key not in self._truth:
+            self._truth[key] = GroundTruth(self, data_root)
+        return self._truth[key]
 
     def models(self, round: int | None = None, *, data_root: str | None = None, device: torch.device | str = "cpu") -> RunModels:
         """The client models of a round (the checkpoint keeps the latest round only) and their data."""
