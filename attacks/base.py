@@ -54,8 +54,9 @@ def _check_attack(name: str, cls: type[Attack]) -> None:
 
 #: attack name -> :class:`Attack` subclass (built-ins found in the ``attacks`` package on first lookup)
 ATTACKS: Registry[type[Attack]] = Registry("attack", discover=["attacks"], validate=_check_attack)
-#: what an attack's reconstructions hold: images (scored by the family's image rule) or labels
-OUTPUTS = frozenset({"images", "labels"})
+#: what an attack's reconstructions hold: images (scored by the family's image rule), labels (label
+#: inference) or membership scores
+OUTPUTS = frozenset({"images", "labels", "membership"})
 
 #: ``progress(label, step, steps, loss)``, called once per optimisation step
 Progress = Callable[[str, int, int, float], None]
@@ -126,6 +127,11 @@ class Reconstruction:
     labels: torch.Tensor | None = None
     snapshots: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    #: label inference: the estimated share of each class behind the message, (C,) summing to 1 (None:
+    #: only the set ``labels`` is claimed, scored as uniform over it)
+    label_distribution: torch.Tensor | None = None
+    #: membership inference: one score per query of ``target.payload["queries"]`` (higher: more likely a member)
+    scores: torch.Tensor | None = None
 
     @property
     def image(self) -> torch.Tensor:
@@ -133,6 +139,14 @@ class Reconstruction:
         if self.images is None:
             raise ValueError(f"{self.target.key}: this attack produced labels, not images")
         return self.images[0]
+
+
+@dataclass
+class Queries:
+    """Records handed to a membership attack: normalised model inputs and their labels, membership hidden."""
+
+    x: torch.Tensor  # (N, C, H, W) normalised as the client's model sees its data
+    y: torch.Tensor  # (N,) labels
 
 
 @dataclass
@@ -167,7 +181,7 @@ class Attack:
     name: ClassVar[str] = ""
     consumes: ClassVar[frozenset[str]] = frozenset()
     needs: ClassVar[Knowledge]
-    #: what reconstructions hold: {"images"} (the default) or {"labels"} (label inference)
+    #: what reconstructions hold: {"images"} (the default), {"labels"} (label inference) or {"membership"}
     produces: ClassVar[frozenset[str]] = frozenset({"images"})
     threat_model: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -326,6 +340,7 @@ __all__ = [
     "AttackNotApplicable",
     "Plan",
     "Progress",
+    "Queries",
     "Reconstruction",
     "Selection",
     "Target",

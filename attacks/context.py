@@ -205,10 +205,54 @@ def leakage_module(view: AttackerView, record: dict[str, Any], seed: int = 0) ->
         return LeakageModule(body, ctx, int(ds["num_classes"]), example).eval()
 
 
+def trained_module(view: AttackerView, record: dict[str, Any], seed: int = 0) -> tuple[LeakageModule, dict[str, Any]]:
+    """The sender's declared module *after* its local training, as the attacker rebuilds it: full
+    parameters as sent, or an update ``d = (previous - new) / a`` applied to the previous state. A
+    gradient carries no trained model (AttackNotApplicable). Returns the module (eval mode) and what is
+    known of it: ``coverage``, the share of the body's parameters the message or the previous state
+    fixes (the rest stay at the attacker's random initialisation: a result on such a module is a guess
+    and is reported as one), the ``unknown`` names, and the ``readout`` (a ``probe`` readout is the
+    attacker's own random classifier, so the module's class scores are not the client's)."""
+    from privfl.kinds import KINDS, ParamForm
+
+    form = KINDS.get(record["kind"]).form
+    if form is ParamForm.GRADIENT:
+        raise AttackNotApplicable(f"a {record['kind']} message is one batch's gradient at the state the sender received: it carries no trained model")
+    _, prev = previous_state(view, record)
+    tensors = view.load(record)
+    if form is ParamForm.UPDATE:
+        a = float(record.get("meta", {}).get("a", 1.0))
+        state = dict(prev)
+        for k, v in tensors.items():
+            if v.is_floating_point() and k in prev:
+                state[k] = prev[k].to(v.dtype) - a * v
+            elif not v.is_floating_point():
+                state[k] = v  # integer buffers travel as they are (FedNova's counters)
+    else:
+        state = {**prev, **tensors}
+    module = leakage_module(view, record, seed)
+    own = module.state_dict()
+    mapped = {k: v for k, v in module.to_module_names(state).items() if k in own}
+    module.load_state_dict(mapped, strict=False)
+    body = [n for n, _ in module.named_parameters() if n.startswith("body.")]
+    unknown = [n.removeprefix("body.") for n in body if n not in mapped]
+    ctx = context_of(view, record["kind"])
+    return module.eval(), {"coverage": 1 - len(unknown) / max(len(body), 1), "unknown": unknown, "readout": ctx.readout}
+
+
 def module_tensor_names(view: AttackerView, record: dict[str, Any]) -> set[str]:
     """The message-side names of the declared module's state (parameters and buffers), for planning."""
     module = leakage_module(view, record)
     return set(module.message_names(list(module.state_dict())))
 
 
-__all__ = ["LeakageModule", "context_of", "leakage_module", "module_tensor_names", "previous_record", "previous_state", "replay_download"]
+__all__ = [
+    "LeakageModule",
+    "context_of",
+    "leakage_module",
+    "module_tensor_names",
+    "previous_record",
+    "previous_state",
+    "replay_download",
+    "trained_module",
+]

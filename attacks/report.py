@@ -166,6 +166,34 @@ def save_label_grid(
 
 
 # ------------------------------------------------------------------------------------------ metrics
+def save_roc(path: str | os.PathLike, curves: Sequence[tuple[str, Sequence[float], Sequence[float]]], title: str = "", dpi: int = 100) -> Path:
+    """ROC curves of membership inference on log-log axes (the low-FPR region is what matters), chance dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.8, 4.2), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    floor = 1e-3
+    for label, fpr, tpr in curves:
+        ax.plot(np.clip(fpr, floor, 1), np.clip(tpr, floor, 1), linewidth=1.2, label=label)
+    ax.plot([floor, 1], [floor, 1], "k--", linewidth=0.8, label="chance")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(floor, 1)
+    ax.set_ylim(floor, 1)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.legend(fontsize=6, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(Path(path), buf.getvalue())
+    return Path(path)
+
+
 def _jsonable(v: Any) -> Any:
     """Plain JSON values: numpy/torch scalars -> numbers, paths -> str, non-finite floats -> None
     (strict JSON has no NaN/Infinity)."""

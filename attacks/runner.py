@@ -31,11 +31,11 @@ from typing import Any, overload
 import torch
 from safetensors.torch import save_file
 
-from attacks.base import Attack, AttackNotApplicable, Reconstruction, Selection, Target, create_attack
+from attacks.base import Attack, AttackNotApplicable, Queries, Reconstruction, Selection, Target, create_attack
 from attacks.scoring import Scored, scorer_for
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS
-from privfl.run import Run
+from privfl.run import GroundTruth, Run
 from privfl.runs import swap_in_folder
 
 
@@ -148,6 +148,9 @@ def run_attack(
         raise ConfigError(f"run {run.name} sends several kinds {attack.name} takes ({', '.join(plan.kinds)}): choose one (kind=..., --artifact)")
     kind, rnd = plan.kinds[0], plan.rounds[-1]
     targets = plan.targets
+    membership: dict[str, torch.Tensor] = {}
+    if attack.needs.candidates or attack.needs.population:  # the membership game: the challenger hands over records
+        membership = hand_over(run.ground_truth(data_root), run.dataset, targets, attack)
     recons, seconds = execute(attack, targets, progress=progress, desc=f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)")
 
     if "images" in attack.produces:
@@ -159,7 +162,7 @@ def run_attack(
             )
     truth = run.ground_truth(data_root)  # opened only now, for scoring
     family = KINDS.get(kind).family
-    scorer = scorer_for(family, attack.produces)
+    scorer = scorer_for(family, attack.produces, membership)
     title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
     scored = scorer.score(recons, truth, title, seconds)
     protocol = {
@@ -196,6 +199,40 @@ def run_attack(
     return report
 
 
+def hand_over(truth: GroundTruth, dataset: dict[str, Any], targets: Sequence[Target], attack: Attack) -> dict[str, torch.Tensor]:
+    """The challenger's side of the membership game, per target client: ``queries`` (up to ``queries``
+    of its training samples and as many of its held-out samples, shuffled, membership hidden) and
+    ``population`` (up to ``population`` held-out samples of the other clients, never trained on by
+    anyone), as normalised inputs with labels in ``target.payload``. Returns the hidden membership bits
+    by target key, for scoring. Seeded by (attack seed, client)."""
+    from privfl.seeding import torch_generator
+
+    cfg = attack.config
+    n_queries, n_population = int(getattr(cfg, "queries", 200)), int(getattr(cfg, "population", 1000))
+    mean = torch.tensor(dataset["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(dataset["std"]).view(1, -1, 1, 1)
+
+    def records(idx: torch.Tensor) -> Queries:
+        return Queries((truth.images(idx) - mean) / std, truth.labels[idx].long())
+
+    bits: dict[str, torch.Tensor] = {}
+    for t in targets:
+        gen = torch_generator(attack.seed, "membership-game", t.client)
+        train, test = truth.client_train(t.client), truth.client_split(t.client, "test")
+        n = min(len(train), len(test), n_queries)
+        members = train[torch.randperm(len(train), generator=gen)[:n]]
+        others = test[torch.randperm(len(test), generator=gen)[:n]]
+        order = torch.randperm(2 * n, generator=gen)
+        idx = torch.cat([members, others])[order]
+        bits[t.key] = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[order]
+        if attack.needs.candidates:
+            t.payload["queries"] = records(idx)
+        if attack.needs.population:
+            pool = torch.cat([truth.client_split(c, "test") for c in truth.clients() if c != t.client])
+            t.payload["population"] = records(pool[torch.randperm(len(pool), generator=gen)[:n_population]])
+    return bits
+
+
 def write_report(
     run: Run,
     name: str,
@@ -210,7 +247,7 @@ def write_report(
 ) -> Path:
     """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
     ``RUN/attacks/<name>`` whole."""
-    from attacks.report import save_gallery, save_label_grid, write_html, write_metrics
+    from attacks.report import save_gallery, save_label_grid, save_roc, write_html, write_metrics
 
     check_output_name(name)
     final = run.path / "attacks" / name
@@ -219,6 +256,9 @@ def write_report(
     if scored.label_grid is not None:
         picture = "labels.png"
         save_label_grid(folder / picture, scored.label_grid, run.dataset["class_names"], title=gallery_title)
+    elif scored.roc_curves is not None:
+        picture = "roc.png"
+        save_roc(folder / picture, scored.roc_curves, title=gallery_title)
     else:
         picture = "gallery.png"
         save_gallery(

@@ -105,6 +105,7 @@ class Scored:
     rule: str = ""
     headline_metric: str = "psnr"
     label_grid: list[tuple[str, list[int], list[int]]] | None = None  # (client, true classes, recovered classes)
+    roc_curves: list[tuple[str, list[float], list[float]]] | None = None  # (label, FPR, TPR) per membership target
 
 
 class RepresentationScorer:
@@ -216,26 +217,46 @@ class BatchScorer:
         return Scored(rows, summary, torch.stack(truth_row), gallery, [row["client"] for row in rows], {title: labels}, self.rule)
 
 
+def true_classes(truth: GroundTruth, target: Target) -> torch.Tensor:
+    """Labels of the samples behind a message (the message's own truth when it has samples behind it,
+    else the client's training split)."""
+    t = truth.message_truth(target.message_seq) if target.message_seq is not None and truth.has_message(target.message_seq) else {}
+    if "labels" in t:
+        return t["labels"].long()
+    if "indices" in t:
+        return truth.labels[t["indices"]].long()
+    return truth.labels[truth.client_train(target.client)].long()
+
+
 class LabelScorer:
-    """Label inference: the classes an attack says are behind a message against the classes that are.
+    """Label inference: the classes (and shares) an attack says are behind a message against those that are.
 
-    Per message: precision (recovered classes that are really there), recall (true classes recovered),
-    F1 and whether the sets are equal; the summary averages them over messages."""
+    Per message: precision (named classes that are really there), recall (present classes named), F1,
+    whether the sets are equal, and the L1 distance between the normalised class histograms (0: exact
+    proportions, 2: disjoint); an attack that names a set without shares is scored as uniform over it.
+    The summary averages over messages."""
 
-    rule = "recovered class set against the classes of the samples behind the message"
+    rule = "recovered classes and shares against the label histogram of the samples behind the message"
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
         rows: list[dict[str, Any]] = []
         grid: list[tuple[str, list[int], list[int]]] = []
+        num_classes = len(truth.dataset.class_names)
         for r in recons:
-            t = truth.message_truth(r.target.message_seq) if r.target.message_seq is not None else {}
-            if "labels" in t:
-                true = set(t["labels"].tolist())
-            elif "indices" in t:
-                true = set(truth.labels[t["indices"]].tolist())
-            else:
-                true = set(truth.labels[truth.client_train(r.target.client)].tolist())
+            labels = true_classes(truth, r.target)
+            hist = torch.bincount(labels, minlength=num_classes).double()
+            hist = hist / hist.sum().clamp_min(1)
+            true = set(torch.nonzero(hist).flatten().tolist())
             found = set(r.labels.tolist()) if r.labels is not None else set()
+            if r.label_distribution is not None:
+                est = r.label_distribution.double().clamp_min(0)
+                if not found:
+                    found = set(torch.nonzero(est > 0).flatten().tolist())
+            else:
+                est = torch.zeros(num_classes, dtype=torch.float64)
+                if found:
+                    est[sorted(found)] = 1.0
+            est = est / est.sum() if est.sum() > 0 else est
             hit = len(found & true)
             precision = hit / len(found) if found else 1.0
             recall = hit / len(true) if true else 1.0
@@ -252,6 +273,9 @@ class LabelScorer:
                     "recall": recall,
                     "f1": f1,
                     "exact": found == true,
+                    "l1": float((est - hist).abs().sum()),
+                    "estimate": [round(v, 4) for v in est.tolist()],
+                    "histogram": [round(v, 4) for v in hist.tolist()],
                     "seconds": r.seconds,
                     **{k: v for k, v in r.notes.items() if isinstance(v, (str, int, float))},
                 }
@@ -260,13 +284,71 @@ class LabelScorer:
         summary = {
             "messages": len(rows),
             "seconds_per_message": round(seconds / max(len(rows), 1), 3),
-            **summarize({m: [float(row[m]) for row in rows] for m in ("precision", "recall", "f1", "exact")}),
+            **summarize({m: [float(row[m]) for row in rows] for m in ("precision", "recall", "f1", "exact", "l1")}),
         }
-        return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="f1", label_grid=grid)
+        return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="recall", label_grid=grid)
 
 
-def scorer_for(family: Family, produces: frozenset[str] = frozenset({"images"})) -> RepresentationScorer | BatchScorer | LabelScorer:
+def roc(scores: torch.Tensor, members: torch.Tensor) -> tuple[float, float, float, list[float], list[float]]:
+    """(AUC, TPR at 1 % FPR, advantage max(TPR - FPR), FPR curve, TPR curve) of membership scores
+    (higher: member). TPR at a low FPR is what the membership-inference literature reports (Carlini et
+    al., S&P 2022): the attack's confidence on the records it is surest about."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    y, s = members.numpy().astype(int), scores.double().numpy()
+    if y.min() == y.max():
+        raise ValueError("membership scoring needs members and non-members")
+    fpr, tpr, _ = roc_curve(y, s)
+    low = tpr[fpr <= 0.01]
+    return float(roc_auc_score(y, s)), float(low.max()) if len(low) else 0.0, float((tpr - fpr).max()), fpr.tolist(), tpr.tolist()
+
+
+class MembershipScorer:
+    """Membership inference: each target's scores on its queries against the hidden membership bits."""
+
+    rule = "queries: the client's training samples (members) and as many of its held-out samples (non-members)"
+
+    def __init__(self, membership: dict[str, torch.Tensor]):
+        self.membership = membership
+
+    def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
+        rows: list[dict[str, Any]] = []
+        curves: list[tuple[str, list[float], list[float]]] = []
+        for r in recons:
+            members = self.membership.get(r.target.key)
+            if r.scores is None or members is None or len(r.scores) != len(members):
+                raise ValueError(f"{r.target.key}: a membership attack returns one score per query")
+            auc, tpr1, adv, fpr, tpr = roc(r.scores, members)
+            rows.append(
+                {
+                    "client": r.target.client,
+                    "round": r.target.round,
+                    "kind": r.target.kind,
+                    "message_seq": r.target.message_seq,
+                    "queries": len(members),
+                    "members": int(members.sum()),
+                    "auc": auc,
+                    "tpr_at_1pct_fpr": tpr1,
+                    "advantage": adv,
+                    "seconds": r.seconds,
+                    **{k: v for k, v in r.notes.items() if isinstance(v, (str, int, float))},
+                }
+            )
+            curves.append((f"{r.target.client} r{r.target.round}", fpr, tpr))
+        summary = {
+            "targets": len(rows),
+            "seconds_per_target": round(seconds / max(len(rows), 1), 3),
+            **summarize({m: [float(row[m]) for row in rows] for m in ("auc", "tpr_at_1pct_fpr", "advantage")}),
+        }
+        return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="auc", roc_curves=curves)
+
+
+def scorer_for(
+    family: Family, produces: frozenset[str] = frozenset({"images"}), membership: dict[str, torch.Tensor] | None = None
+) -> RepresentationScorer | BatchScorer | LabelScorer | MembershipScorer:
     """The scoring rule for an attack's output on a kind of ``family``."""
+    if "membership" in produces:
+        return MembershipScorer(membership or {})
     if "images" not in produces:
         return LabelScorer()
     if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
@@ -276,4 +358,17 @@ def scorer_for(family: Family, produces: frozenset[str] = frozenset({"images"}))
     raise ValueError(f"no image scoring rule for the {family} family yet")
 
 
-__all__ = ["BatchScorer", "Candidates", "LabelScorer", "RepresentationScorer", "Scored", "candidates", "headline", "score", "scorer_for"]
+__all__ = [
+    "BatchScorer",
+    "Candidates",
+    "LabelScorer",
+    "MembershipScorer",
+    "RepresentationScorer",
+    "Scored",
+    "candidates",
+    "headline",
+    "roc",
+    "score",
+    "scorer_for",
+    "true_classes",
+]

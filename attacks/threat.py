@@ -27,6 +27,15 @@ class Knowledge:
     local_hyperparameters: bool = False
     """The clients' local steps, learning rate and batch size (known to a server that set them)."""
 
+    candidates: bool = False
+    """Candidate records to test, handed over by the challenger of the membership game: some of the
+    client's training samples and as many of its held-out samples, with their labels, membership hidden
+    (Shokri et al., S&P 2017; Carlini et al., S&P 2022). The runner builds them from ground truth."""
+
+    population: bool = False
+    """Samples of the data distribution that the attacked client never trained on (other clients'
+    held-out samples), for shadow models. The runner provides them, as the challenger would."""
+
     def missing(self, available: Knowledge) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) and not getattr(available, f.name)]
 
@@ -44,6 +53,15 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         Knowledge(previous_state=True, local_hyperparameters=True),
         "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters",
     ),
+    "eavesdropper": (
+        Knowledge(),
+        "anyone who sees the messages (the server, a neighbour, an eavesdropper on the link) and nothing else",
+    ),
+    "curious-server-membership": (
+        Knowledge(previous_state=True, candidates=True, population=True),
+        "honest-but-curious server that rebuilds a client's model from what it captured and is handed candidate records "
+        "(membership hidden) plus population data for shadow models: the membership-inference game",
+    ),
 }
 
 
@@ -58,4 +76,6 @@ def available(view: AttackerView) -> Knowledge:
         extractor="extractor" in view.granted(),
         previous_state=any(r["receiver"] != "server" and r["kind"] in previous_kinds for r in view.records()),
         local_hyperparameters=True,
+        candidates=True,  # the membership game's challenger (the runner) always hands these over
+        population=True,
     )

@@ -272,6 +272,7 @@ class GroundTruth:
         self.run_dir = self.run.path
         self.dataset, self.images_u8, self.labels, part = load_pool(self.run, data_root)
         self.train = {k: v for k, v in part.items() if k.startswith("train_")}
+        self.test = {k: v for k, v in part.items() if k.startswith("test_")}
         self.store = TensorStore(self.run_dir / "truth", "truth")
         self._by_seq = {r["message_seq"]: r for r in self.store.records()}
 
@@ -281,6 +282,17 @@ class GroundTruth:
 
     def client_train(self, client: str) -> torch.Tensor:
         return self.train[f"train_{client_index(client)}"]
+
+    def client_split(self, client: str, split: str) -> torch.Tensor:
+        """Pool indices of a client's ``train`` or ``test`` (held-out) samples."""
+        store = self.train if split == "train" else self.test
+        key = f"{split}_{client_index(client)}"
+        if key not in store:
+            raise CaptureError(f"{self.run_dir}/truth/partition.safetensors has no {key}")
+        return store[key]
+
+    def clients(self) -> list[str]:
+        return [f"client{k.removeprefix('train_')}" for k in sorted(self.train, key=lambda k: int(k.removeprefix("train_")))]
 
     def has_message(self, seq: int) -> bool:
         return seq in self._by_seq
