@@ -70,6 +70,7 @@ class TrainConfig:
     run_name: str | None = opt(None, "run directory name (default: METHOD-DATASET-TIMESTAMP)")
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")
     knowledge_every: int = opt(0, "also store client extractors every N rounds (0: final round only)")
+    knowledge_rounds: str = opt("", "also store client extractors at these rounds, a comma list such as 0,9 (the audit's rounds)")
     progress: bool = opt(True, "show a progress bar")
     defense: list[str] = field(
         default_factory=list,

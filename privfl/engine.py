@@ -82,7 +82,7 @@ class TrainCallback:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = ()):
         from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
-        from privfl.data.partition import ClientSplit
+        from privfl.data.partition import PARTITIONS, ClientSplit
         from privfl.models import assign_archs
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -95,6 +95,8 @@ class Trainer:
         if cfg.rounds < 1 or cfg.num_clients < 1:
             raise ConfigError("--rounds and --num-clients must be at least 1")
         archs = assign_archs(cfg.model_group, cfg.num_clients)  # checks the group name early
+        PARTITIONS.get(cfg.partition)  # and the partition scheme, before the run folder exists
+        knowledge_rounds = parse_rounds(cfg.knowledge_rounds, cfg.rounds)
 
         dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
         self.dataset = dataset
@@ -183,7 +185,7 @@ class Trainer:
             sends=self.method_cls.sends,
             observers=[cb.on_message for cb in self.callbacks],
         )
-        self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every)
+        self.knowledge = KnowledgeRecorder(self.knowledge_store, cfg.rounds - 1, cfg.knowledge_every, knowledge_rounds)
         env = FLEnv(
             cfg, opts, clients, self.data, dataset.num_classes, self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data)
         )
@@ -367,6 +369,29 @@ class Trainer:
         return summary
 
 
+def parse_rounds(text: str, rounds: int) -> frozenset[int]:
+    """``"0,9"`` -> {0, 9}; each within 0..rounds-1, else a one-line error."""
+    out = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) >= rounds:
+            raise ConfigError(f"--knowledge-rounds takes rounds 0..{rounds - 1} as a comma list, got {part!r}")
+        out.add(int(part))
+    return frozenset(out)
+
+
+def knowledge_rounds_text(cfg: TrainConfig) -> str:
+    """Which rounds' knowledge a run stores, in words (run.json)."""
+    parts = ["final"]
+    if cfg.knowledge_every:
+        parts.append(f"every {cfg.knowledge_every}")
+    extra = sorted(parse_rounds(cfg.knowledge_rounds, cfg.rounds))
+    if extra:
+        parts.append("rounds " + ",".join(map(str, extra)))
+    return " and ".join(parts)
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
@@ -389,7 +414,7 @@ def write_run_info(trainer: Trainer) -> None:
         "topology": trainer.topology.kind,
         "knowledge": {
             kind: {
-                "rounds": "final" if trainer.cfg.knowledge_every == 0 else f"final and every {trainer.cfg.knowledge_every}",
+                "rounds": knowledge_rounds_text(trainer.cfg),
                 "threat_model": THREAT_MODELS[kind],
             }
             for kind in m.exposes

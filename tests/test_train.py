@@ -328,3 +328,11 @@ def test_defenses_apply_through_the_channel_and_survive_resume(tmp_path):
     trainer.load_checkpoint()
     restored = next(d for d in trainer.defenses if d.name == "dp").report()
     assert restored["epsilon"] == dp["epsilon"] and restored["steps"] == dp["steps"]
+
+
+@pytest.mark.parametrize("bad", [["--knowledge-rounds", "0,7"], ["--partition", "nope"], ["--knowledge-rounds", "first"]])
+def test_bad_run_options_are_refused_before_the_output_folder_exists(tmp_path, capsys, bad):
+    out = tmp_path / "not-yet"
+    err = cli_error(capsys, train_main, ["fedavg", "--rounds", "2", "--out-dir", str(out), *bad])
+    assert "\n" not in err.strip() and ("--knowledge-rounds" in err or "partition scheme" in err)
+    assert not out.exists()

@@ -87,13 +87,13 @@ class Client:
 class KnowledgeRecorder:
     """Files what the threat model grants the attacker (here: a client's extractor incl. RM, as it
     was when it produced an artifact), apart from the capture. By default only for the final round;
-    ``every`` > 0 adds every N-th round (mind the size with large models)."""
+    ``every`` > 0 adds every N-th round and ``rounds`` names more (mind the size with large models)."""
 
-    def __init__(self, store, final_round: int, every: int = 0):
-        self.store, self.final_round, self.every = store, final_round, every
+    def __init__(self, store, final_round: int, every: int = 0, rounds: frozenset[int] = frozenset()):
+        self.store, self.final_round, self.every, self.rounds = store, final_round, every, rounds
 
     def wants(self, rnd: int) -> bool:
-        return self.store is not None and (rnd == self.final_round or (self.every > 0 and (rnd + 1) % self.every == 0))
+        return self.store is not None and (rnd == self.final_round or rnd in self.rounds or (self.every > 0 and (rnd + 1) % self.every == 0))
 
     def record_extractor(self, rnd: int, client: Client) -> None:
         if not self.wants(rnd):
