@@ -63,7 +63,23 @@ Progress = Callable[[str, int, int, float], None]
 
 
 class AttackNotApplicable(PrivflError):
-    """An attack has nothing to attack in the selected part of a run; the message says why."""
+    """An attack has nothing to attack in the selected part of a run; the message says why, and ``fix``
+    (when there is one) the one declaration of the method, or the run option, that would enable it."""
+
+    def __init__(self, reason: str, fix: str = ""):
+        super().__init__(reason)
+        self.fix = fix
+
+
+#: the declaration that grants each kind of knowledge (what `privfl.audit --check` suggests)
+KNOWLEDGE_FIXES = {
+    "extractor": "declare exposes = ('extractor',) and call self.env.knowledge.record_extractor(rnd, client) when a client uploads",
+    "previous_state": "send clients the state they train from as a message (e.g. kind 'model' down) and name its kind in "
+    "leakage = {KIND: LeakageContext(previous=...)}",
+    "local_hyperparameters": "(always granted: the server sets them)",
+    "candidates": "(always granted by the runner, the membership game's challenger)",
+    "population": "(always granted by the runner, the membership game's challenger)",
+}
 
 
 @dataclass
@@ -157,6 +173,7 @@ class Plan:
     targets: list[Target] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # kind (or kind@round) -> reason
     reason: str = ""  # why nothing applies (set when targets is empty)
+    fix: str = ""  # the one declaration (or run option) that would make it apply, when there is one
 
     def __bool__(self) -> bool:
         return bool(self.targets)
@@ -239,6 +256,7 @@ class Attack:
         reason = self.missing_knowledge(view)
         if reason:
             plan.reason = reason
+            plan.fix = "; ".join(KNOWLEDGE_FIXES[k] for k in self.needs.missing(available(view)))
             return plan
         kinds = self.candidate_kinds(view)
         if selection.kind is not None:
@@ -275,8 +293,9 @@ class Attack:
                     plan.targets.extend(self.plan_messages(view, kind, rnd, records, selection))
                 except AttackNotApplicable as exc:
                     plan.skipped[f"{kind}@{rnd}"] = str(exc)
+                    plan.fix = plan.fix or exc.fix
         if not plan.targets:
-            plan.reason = "; ".join(plan.skipped.values()) or f"nothing for {self.name} in {view.run_dir}"
+            plan.reason = "; ".join(dict.fromkeys(plan.skipped.values())) or f"nothing for {self.name} in {view.run_dir}"
         return plan
 
     def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:

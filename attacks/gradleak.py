@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from attacks.base import Attack, AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
+from attacks.base import KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
 from attacks.context import context_of, leakage_module, module_tensor_names, previous_state
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
@@ -299,31 +299,45 @@ class GradientLeakage(Attack):
     def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict], selection: Selection) -> list[Target]:
         spec = KINDS.get(kind)
         key = "batch_size" if spec.form is ParamForm.GRADIENT else "num_samples"
-        targets, reasons = [], []
+        targets, reasons, fixes = [], [], []
         names_by_client: dict[str, set[str]] = {}
         for rec in records:
             if key not in rec.get("meta", {}):
                 reasons.append(f"message {rec['seq']} has no meta {key!r}: the batch behind it is unknown")
+                fixes.append(f"send meta[{key!r}] with every {kind} upload")
                 continue
             try:
                 _, prev = previous_state(view, rec)
             except AttackNotApplicable as exc:
                 reasons.append(str(exc))
+                fixes.append(exc.fix or KNOWLEDGE_FIXES["previous_state"])
                 continue
             client = rec["sender"]
             if client not in names_by_client:
                 names_by_client[client] = module_tensor_names(view, rec)
-            if not names_by_client[client] & set(prev):
-                ctx = context_of(view, kind)
-                where = f"module {ctx.module!r}" if ctx.module else "the whole client model"
+            module_names = names_by_client[client]
+            ctx = context_of(view, kind)
+            where = f"module {ctx.module!r}" if ctx.module else "the whole client model"
+            if not module_names & set(prev):
                 reasons.append(
                     f"the previous state of {kind} message {rec['seq']} shares no tensor names with {where} that "
                     f"{view.info['method']} declares for it (prefix {ctx.prefix!r}): nothing to attack but random weights"
                 )
+                fixes.append(
+                    f"declare leakage = {{{kind!r}: LeakageContext(module=..., prefix=...)}} naming the submodule whose parameters it carries"
+                )
                 continue
-            targets.append(Target(kind, rnd, client, rec, view))
+            target = Target(kind, rnd, client, rec, view)
+            known = module_names & (set(prev) | set(rec["tensors"]))
+            if known != module_names:  # part of the differentiated module was never transmitted: a guess, said so
+                target.payload["warning"] = (
+                    f"{len(module_names - known)} of {len(module_names)} tensors of {where} were never transmitted to the attacker "
+                    "and stay at its random initialisation: the reconstruction is a guess"
+                )
+            targets.append(target)
         if not targets:
-            raise AttackNotApplicable(reasons[0] if len(set(reasons)) == 1 else "; ".join(dict.fromkeys(reasons)))
+            unique = list(dict.fromkeys(reasons))
+            raise AttackNotApplicable(unique[0] if len(unique) == 1 else "; ".join(unique), fixes[0] if fixes else "")
         return targets
 
     def steps_for(self, targets) -> int:
@@ -425,6 +439,7 @@ class GradientLeakage(Attack):
                 "target_note": note,
                 "local_steps": local_steps,
                 **({"approximation": ctx.note} if ctx.note else {}),
+                **({"warning": target.payload["warning"]} if "warning" in target.payload else {}),
             },
         )
 

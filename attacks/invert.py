@@ -74,7 +74,9 @@ class RepresentationInversion(Attack):
             try:
                 view.extractor(missing[0], rnd)  # raises with the list of what is stored
             except Exception as exc:
-                raise AttackNotApplicable(str(exc)) from None
+                raise AttackNotApplicable(
+                    str(exc), f"store extractors of round {rnd} too: --knowledge-rounds {rnd} (or --knowledge-every N)"
+                ) from None
         return targets
 
     def steps_for(self, targets: Sequence[Target]) -> int:

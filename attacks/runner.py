@@ -183,6 +183,9 @@ def run_attack(
         protocol["batch_size"] = recons[0].notes.get("batch_size")
     if notes.get("approximation"):
         protocol["approximation"] = notes["approximation"]
+    warnings = list(dict.fromkeys(str(r.notes["warning"]) for r in recons if r.notes.get("warning")))
+    if warnings:  # a result that rests on a guess says so with the numbers
+        protocol["warnings"] = warnings
     report = AttackReport(attack.name, kind, rnd, protocol, scored.summary, scored.rows, recons)
     if write:
         heading = f"{kind} r{rnd}"

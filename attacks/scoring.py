@@ -218,13 +218,15 @@ class BatchScorer:
 
 
 def true_classes(truth: GroundTruth, target: Target) -> torch.Tensor:
-    """Labels of the samples behind a message (the message's own truth when it has samples behind it,
-    else the client's training split)."""
+    """Labels of the samples behind a message: the message's own truth when it has samples behind it,
+    every client's training samples for a server's broadcast, else the client's training split."""
     t = truth.message_truth(target.message_seq) if target.message_seq is not None and truth.has_message(target.message_seq) else {}
     if "labels" in t:
         return t["labels"].long()
     if "indices" in t:
         return truth.labels[t["indices"]].long()
+    if target.record is not None and target.record["sender"] == "server":  # a broadcast: built from every client's uploads
+        return truth.labels[torch.cat(list(truth.train.values()))].long()
     return truth.labels[truth.client_train(target.client)].long()
 
 

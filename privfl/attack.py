@@ -268,9 +268,9 @@ def list_attacks(run: Any) -> int:
         plan = attack.plan(view, Selection(max_targets=1))
         if plan:
             where = ", ".join(f"{k} (last round {max(t.round for t in plan.targets if t.kind == k)})" for k in plan.kinds)
-            print(f"  {name:<8} applies to {where}: {len(plan.targets)} target(s)")
+            print(f"  {name:<18} applies to {where}: {len(plan.targets)} target(s)")
         else:
-            print(f"  {name:<8} does not apply: {plan.reason}")
+            print(f"  {name:<18} does not apply: {plan.reason}")
     return 0
 
 
