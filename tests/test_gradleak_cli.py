@@ -70,3 +70,17 @@ def test_a_leakage_module_named_unlike_the_messages_is_refused(runs, capsys, mon
     )
     text = capsys.readouterr().err.strip()
     assert code == 2 and "shares no tensor names" in text and len(text.splitlines()) == 1, text
+
+
+def test_a_module_partly_never_transmitted_is_attacked_with_a_warning(tmp_path):
+    """FedFree uploads single layers: the rest of the module DLG differentiates is the attacker's own
+    initialisation, so the result carries a warning saying it is a guess (never a silent random head)."""
+    from attacks import run_attack
+    from privfl.run import Run
+
+    argv = ["fedfree", "--subsample", "160", "--num-clients", "2", "--partition", "iid", "--rounds", "2", "--batch-size", "16"]
+    assert train_main([*argv, "--no-progress", "--model-group", "homo-cnn4", "--out-dir", str(tmp_path), "--run-name", "ff"]) == 0
+    report = run_attack(Run.open(tmp_path / "ff"), "dlg", kind="layer", round=1, clients=[0], options={"steps": 1, "lbfgs_max_iter": 2}, write=False)
+    (warning,) = report.protocol["warnings"]
+    assert "never transmitted" in warning and "a guess" in warning and "\n" not in warning
+    assert all(r.notes["warning"] == warning for r in report.reconstructions)
