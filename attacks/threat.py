@@ -62,6 +62,11 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         "honest-but-curious server that rebuilds a client's model from what it captured and is handed candidate records "
         "(membership hidden) plus population data for shadow models: the membership-inference game",
     ),
+    "eavesdropper-membership": (
+        Knowledge(candidates=True, population=True),
+        "anyone who sees the messages, no model of the client, handed candidate records (membership hidden) and "
+        "population data for reference models: the membership-inference game on what was transmitted",
+    ),
 }
 
 

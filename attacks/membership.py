@@ -1,0 +1,519 @@
+"""Membership inference on every client model an attacker can see: a loss threshold and offline LiRA.
+
+The membership game (Shokri et al., S&P 2017; Carlini et al., S&P 2022): the runner, acting as the
+challenger, hands every target ``queries`` (some of the client's training samples and as many of its
+held-out samples, shuffled, membership hidden) and, for shadow models, ``population`` data (other
+clients' held-out samples, never trained on by anyone); an attack returns one score per query, higher
+meaning "member", and the runner reports AUC and TPR at 1 % FPR (:class:`attacks.scoring.MembershipScorer`).
+
+Two ways an attacker gets a client's trained model, hence two families of registered attacks (one
+:class:`~attacks.threat.Knowledge` declaration cannot say "previous state *or* extractor"):
+
+- **captured parameters** (``mia-loss``, ``mia-lira``): a client's upload (direction up or peer) of a
+  parameter-like kind, rebuilt by :func:`attacks.context.trained_module` as the declared module after
+  local training: full parameters (FedAvg ``model``, FedMRL ``small_model`` with its own head, FedFree
+  ``layer``) or an update applied to the previous state (FedNova ``update``). Needs the previous state.
+  A gradient (FedSGD ``grad``) carries no trained model and a ``probe`` readout (DRDFL ``learngene``)
+  would classify with the attacker's own random classifier: both are refused in one line. A module the
+  message covers only in part (FedFree: layers never transmitted are stale or random) is attacked with
+  a warning in the notes (``coverage``, ``approximation``): the result is a guess;
+- **extractor knowledge + head broadcast** (``mia-loss-extractor``, ``mia-lira-extractor``): runs that
+  store client extractors (FedRE, FedGH, FedAllRep) and broadcast a global ``head``. The model is the
+  stored extractor of (client, round) followed by the head the server broadcast to that client in that
+  round. Targets are planned on the ``head`` kind (the message whose tensors the attack reads; its
+  record is a capture record of that client and round). An approximation: the client's own head after
+  local training is never transmitted; the broadcast head, trained by the server on that round's
+  uploads, stands in for it (reported as ``approximation``).
+
+Scores:
+
+- loss threshold (Yeom et al., CSF 2018): ``-CE(model(x), y)`` per query;
+- offline LiRA (Carlini et al., S&P 2022, Sec. IV-C/VI): ``shadows`` models of the target's
+  architecture trained on random subsets of the population data only (never on the queries: every
+  shadow is an OUT model), with the run's local hyperparameters; per query the logit-scaled confidence
+  ``phi = log(p_y / (1 - p_y))`` (computed as ``z_y - logsumexp(z_{j != y})``, exact in float64) under
+  each shadow and under the target; a Gaussian fitted to the shadows' ``phi`` per query (a global
+  variance below 64 shadows, as the paper advises, else per example); the score is the one-sided
+  z-score ``(phi_target - mu_out) / sigma_out`` (monotone in the paper's ``Phi(z)``, so the same ROC,
+  without saturating for confident members). Shadows are cached per (architecture, model request,
+  population, queries) within one attack instance, so several rounds of one client reuse them.
+
+Everything is seeded from (attack seed, client). Attack side only: this module never opens the ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attacks.base import Attack, AttackNotApplicable, Plan, Progress, Queries, Reconstruction, Selection, Target, register_attack
+from attacks.context import LeakageModule, context_of, previous_record, previous_state, trained_module
+from attacks.threat import Knowledge
+from privfl.errors import ConfigError
+from privfl.kinds import KINDS, Family, ParamForm
+from privfl.run import AttackerView
+from privfl.seeding import derive_seed, torch_generator
+
+VARIANCES = ("auto", "global", "per-example")
+#: below this many shadows LiRA estimates one global variance (Carlini et al. 2022, Sec. VI-A)
+GLOBAL_VARIANCE_BELOW = 64
+
+
+# ------------------------------------------------------------------------------------------ configs
+@dataclass
+class LossConfig:
+    """Loss threshold: no options beyond the game's size."""
+
+    queries: int = 200  # the challenger hands over up to this many members and as many non-members
+    eval_batch: int = 512
+
+
+@dataclass
+class LiRAConfig:
+    """Offline LiRA. The defaults are the quick preset (seconds per target on the cpu5 models at 28x28);
+    ``LiRAConfig.preset("standard")`` is closer to the paper (which uses 64-256 shadows)."""
+
+    queries: int = 200
+    population: int = 1000  # population samples handed over for the shadows
+    shadows: int = 4
+    #: epochs each shadow trains (0: what a client's data gets in the whole run, local_epochs x rounds,
+    #: capped at max_shadow_epochs)
+    shadow_epochs: int = 0
+    max_shadow_epochs: int = 5
+    #: samples per shadow (0: the sender's num_samples when its message gives it, else half the
+    #: population); at most half the population, so the shadows' training sets differ
+    shadow_size: int = 0
+    variance: str = "auto"  # auto (global below 64 shadows), global, per-example
+    eval_batch: int = 512
+
+    def __post_init__(self) -> None:
+        if self.variance not in VARIANCES:
+            raise ConfigError(f"LiRA variance must be one of {', '.join(VARIANCES)}, got {self.variance!r}")
+        if self.shadows < 2:
+            raise ConfigError(f"LiRA needs at least 2 shadow models to fit a Gaussian, got shadows={self.shadows}")
+
+    @classmethod
+    def preset(cls, level: str, **overrides: Any) -> LiRAConfig:
+        """``quick`` (4 shadows, at most 5 epochs) or ``standard`` (16 shadows, at most 20 epochs)."""
+        presets = {"quick": {"shadows": 4, "max_shadow_epochs": 5}, "standard": {"shadows": 16, "max_shadow_epochs": 20}}
+        if level not in presets:
+            raise ConfigError(f"unknown LiRA preset {level!r}; accepted: {', '.join(presets)}")
+        return cls(**{**presets[level], **overrides})
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def logit_confidence(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """LiRA's phi = log(p_y / (1 - p_y)) = z_y - logsumexp(z_j, j != y), in float64 (no saturation)."""
+    z = logits.double()
+    own = z.gather(1, y.view(-1, 1)).squeeze(1)
+    others = z.scatter(1, y.view(-1, 1), float("-inf"))
+    return own - torch.logsumexp(others, dim=1)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """Logits of ``model`` (eval mode) on ``x``, on the CPU."""
+    model.eval()
+    return torch.cat([model(x[i : i + batch].to(device)).float().cpu() for i in range(0, len(x), batch)])
+
+
+def fingerprint(q: Queries) -> str:
+    """A cheap identity of handed-over records (cache key)."""
+    return f"{tuple(q.x.shape)}:{float(q.x.double().sum()):.6e}:{int(q.y.sum())}"
+
+
+def hyperparameters(view: AttackerView, record: dict[str, Any] | None) -> dict[str, Any]:
+    """The sender's local hyperparameters: the message's meta where it states them, else the run's config."""
+    meta: dict[str, Any] = record.get("meta", {}) if record is not None and record.get("sender") != "server" else {}
+    cfg = view.config
+
+    def pick(key: str, default: float) -> Any:
+        return meta.get(key, cfg.get(key, default))
+
+    return {
+        "lr": float(pick("lr", 0.06)),
+        "batch_size": int(pick("batch_size", 64)),
+        "optimizer": str(cfg.get("optimizer", "sgd")),
+        "momentum": float(pick("momentum", 0.0)),
+        "weight_decay": float(pick("weight_decay", 0.0)),
+        "local_epochs": int(pick("local_epochs", 1)),
+        "rounds": int(cfg.get("rounds", 1)),
+    }
+
+
+def make_optimizer(params: Any, hp: dict[str, Any]) -> torch.optim.Optimizer:
+    if hp["optimizer"] == "adam":
+        return torch.optim.Adam(params, lr=hp["lr"], weight_decay=hp["weight_decay"])
+    if hp["optimizer"] != "sgd":
+        raise ConfigError(f"shadow models know the optimizers sgd and adam, the run uses {hp['optimizer']!r}")
+    return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
+
+
+# ------------------------------------------------------------------------------------------ the attacks
+class MembershipAttack(Attack):
+    """What every membership attack here shares: the game's hand-over, the target model and its notes.
+
+    Subclasses say where the target model comes from (:meth:`target_model`, :meth:`fresh_model`,
+    :meth:`architecture_key`) and how queries are scored (:meth:`score`)."""
+
+    produces = frozenset({"membership"})
+    threat_model = "curious-server-membership"
+
+    # -------------------------------------------------- where the model comes from (path)
+    def target_model(self, target: Target) -> tuple[nn.Module, dict[str, Any]]:
+        """The client's model as the attacker rebuilds it (eval mode, logits out) and notes about it."""
+        raise NotImplementedError
+
+    def fresh_model(self, target: Target, seed: int) -> nn.Module:
+        """A randomly initialised model of the target's architecture (for shadows), seeded."""
+        raise NotImplementedError
+
+    def architecture_key(self, target: Target) -> str:
+        raise NotImplementedError
+
+    # -------------------------------------------------- how queries are scored
+    def score(self, target: Target, model: nn.Module, queries: Queries, progress: Progress | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        raise NotImplementedError
+
+    # -------------------------------------------------- shared
+    @staticmethod
+    def handed(target: Target, what: str) -> Queries:
+        got = target.payload.get(what)
+        if not isinstance(got, Queries):
+            raise ConfigError(
+                f"{target.key}: no {what} handed over; membership attacks run through attacks.run_attack, "
+                f"whose challenger puts them in target.payload[{what!r}]"
+            )
+        return got
+
+    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+        start = time.perf_counter()
+        queries = self.handed(target, "queries")
+        model, notes = self.target_model(target)
+        model = model.to(self.device).eval()
+        scores, extra = self.score(target, model, queries, progress)
+        loss = float(extra.pop("target_loss"))
+        return Reconstruction(target, None, loss, time.perf_counter() - start, scores=scores.float(), notes={**notes, **extra})
+
+    def per_query_loss(self, model: nn.Module, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, cross-entropy per query in float64) of ``model`` on the queries."""
+        logits = predict(model, queries.x, self.config.eval_batch, self.device)
+        return logits, F.cross_entropy(logits.double(), queries.y, reduction="none")
+
+
+class CapturedModelMembership(MembershipAttack):
+    """Path (a): the sender's declared module after local training, rebuilt from its upload."""
+
+    consumes = frozenset({str(Family.PARAMETERS), str(Family.GRADIENT)})
+
+    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Only what clients send (uploads and peer messages): a server's broadcast has no one client's training."""
+        return [r for r in super().messages_of(view, kind, rnd, clients) if r["direction"] in ("up", "peer")]
+
+    def plan(self, view: AttackerView, selection: Selection | None = None) -> Plan:
+        plan = super().plan(view, selection)
+        if not plan and "extractor" in view.granted() and any(ExtractorHeadMembership.takes(k) for k in view.kinds()):
+            plan.reason += f"; this run stores client extractors and broadcasts a head: try {self.name}-extractor"
+        return plan
+
+    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
+        """One target per upload whose trained module the attacker can rebuild (index only, except
+        FedFree-style layer replay, whose check needs the earlier layers)."""
+        spec = KINDS.get(kind)
+        if spec.form is ParamForm.GRADIENT:
+            raise AttackNotApplicable(f"a {kind} message is one batch's gradient at the state the sender received: it carries no trained model")
+        ctx = context_of(view, kind)
+        if ctx.readout == "probe":
+            where = f"module {ctx.module!r}" if ctx.module else "the client model"
+            raise AttackNotApplicable(
+                f"{kind} parameterises {where}, whose outputs are features ({view.info['method']} declares a probe readout): "
+                "its classifier would be the attacker's own random one, so its loss says nothing of membership"
+            )
+        targets, reasons = [], []
+        for rec in records:
+            try:
+                found = previous_state(view, rec)[0] if ctx.previous_rule == "layer-replay" else previous_record(view, rec)
+            except AttackNotApplicable as exc:
+                reasons.append(str(exc))
+                continue
+            if found is None:
+                reasons.append(f"no {ctx.previous} was sent to {rec['sender']} before message {rec['seq']}: its trained module cannot be rebuilt")
+                continue
+            targets.append(Target(kind, rnd, rec["sender"], rec, view))
+        if not targets:
+            raise AttackNotApplicable("; ".join(dict.fromkeys(reasons)))
+        return targets
+
+    def prepare(self, targets: Sequence[Target]) -> None:
+        """Load each upload and its previous state, so a damaged capture fails in one line before any shadow trains."""
+        for t in targets:
+            assert t.record is not None  # planned on captured messages only
+            t.view.load(t.record)
+            previous_state(t.view, t.record)
+
+    def target_model(self, target: Target) -> tuple[nn.Module, dict[str, Any]]:
+        assert target.record is not None  # planned on captured messages only
+        module, known = trained_module(target.view, target.record, derive_seed(self.seed, "mia-target", target.client))
+        if known["readout"] == "probe":  # plan refuses these; a direct call must not score a random classifier
+            raise AttackNotApplicable(f"{target.kind}: a probe readout is the attacker's own random classifier")
+        ctx = context_of(target.view, target.kind)
+        notes: dict[str, Any] = {"coverage": round(float(known["coverage"]), 4), "model": f"{target.kind} as sent, after local training"}
+        parts = [ctx.note] if ctx.note else []
+        if known["coverage"] < 1:
+            unknown = known["unknown"]
+            shown = ", ".join(unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+            notes["warning"] = (
+                f"only {100 * known['coverage']:.0f} % of the module's parameters are known ({len(unknown)} never transmitted: {shown}); "
+                "the rest are stale or the attacker's random initialisation, so the scores are a guess"
+            )
+            parts.append(notes["warning"])
+        if parts:
+            notes["approximation"] = "; ".join(parts)
+        return module, notes
+
+    def fresh_model(self, target: Target, seed: int) -> nn.Module:
+        view = target.view
+        ctx = context_of(view, target.kind)
+        ds = view.dataset
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = view.method_cls.build_client_model(view.model_request(target.client))
+            body = model.get_submodule(ctx.module) if ctx.module else model
+            example = torch.zeros(2, ds["channels"], ds["image_size"], ds["image_size"])
+            return LeakageModule(body, ctx, int(ds["num_classes"]), example)
+
+    def architecture_key(self, target: Target) -> str:
+        req = target.view.model_request(target.client)
+        ctx = context_of(target.view, target.kind)
+        return f"{target.view.info['method']}|module={ctx.module}|{req.arch}|{req.in_channels}x{req.image_size}|{req.num_classes}|{target.client}"
+
+
+class ExtractorHeadMembership(MembershipAttack):
+    """Path (b): the stored extractor of (client, round) followed by the head broadcast to it in that round."""
+
+    consumes = frozenset({"head"})
+
+    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The server's broadcasts to clients (what the client's extractor is completed with)."""
+        return [r for r in super().messages_of(view, kind, rnd, clients) if r["sender"] == "server"]
+
+    def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
+        stored = {(r["client"], r["round"]) for r in view.extractor_records()}
+        targets = [Target(kind, rnd, r["receiver"], r, view) for r in records if (r["receiver"], rnd) in stored]
+        if not targets:
+            have = sorted({n for _, n in stored})
+            raise AttackNotApplicable(
+                f"the run stores no extractor of the clients that received {kind} in round {rnd} (extractors stored for rounds "
+                f"{', '.join(map(str, have)) or 'none'}); choose one of those rounds or retrain with --knowledge-every N"
+            )
+        return targets
+
+    def prepare(self, targets: Sequence[Target]) -> None:
+        """Load each head and the extractor it completes, so a damaged store fails in one line before any shadow trains."""
+        for t in targets:
+            assert t.record is not None  # planned on captured messages only
+            t.view.load(t.record)
+            t.view.extractor(t.client, t.round)
+
+    def _spec(self, target: Target) -> dict[str, Any]:
+        rec = next(r for r in target.view.extractor_records() if r["client"] == target.client and r["round"] == target.round)
+        return dict(rec["spec"])
+
+    def target_model(self, target: Target) -> tuple[nn.Module, dict[str, Any]]:
+        assert target.record is not None  # planned on captured messages only
+        model = target.view.extractor(target.client, target.round)
+        head = getattr(model, "head", None)
+        if not isinstance(head, nn.Module):
+            raise AttackNotApplicable(
+                f"the stored extractor of {target.client} is a {type(model).__name__} without a head to load the {target.kind} into"
+            )
+        tensors = target.view.load(target.record)
+        try:
+            head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()})
+        except RuntimeError as exc:
+            raise AttackNotApplicable(
+                f"{target.kind} message {target.record['seq']} does not fit {target.client}'s head: {str(exc).splitlines()[0]}"
+            ) from None
+        notes = {
+            "model": f"stored extractor r{target.round} + {target.kind} broadcast r{target.round}",
+            "approximation": (
+                f"the client's own head after local training is never transmitted: the global {target.kind} broadcast to it "
+                f"after round {target.round} stands in for it, on top of its stored extractor"
+            ),
+        }
+        return model, notes
+
+    def fresh_model(self, target: Target, seed: int) -> nn.Module:
+        from privfl.models import build_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build_model(**self._spec(target))
+
+    def architecture_key(self, target: Target) -> str:
+        return f"{target.view.info['method']}|extractor+head|{json.dumps(self._spec(target), sort_keys=True)}|{target.client}"
+
+
+class LossScoring(MembershipAttack):
+    """Yeom et al.'s loss threshold: members have lower loss."""
+
+    paper = "Yeom et al., Privacy Risk in Machine Learning: Analyzing the Connection to Overfitting, CSF 2018"
+    Config = LossConfig
+
+    def score(self, target: Target, model: nn.Module, queries: Queries, progress: Progress | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        logits, ce = self.per_query_loss(model, queries)
+        if progress:
+            progress(target.client, 0, 1, float(ce.mean()))
+        acc = float((logits.argmax(1) == queries.y).double().mean())
+        return -ce, {"target_loss": float(ce.mean()), "score": "-CE(model(x), y)", "query_accuracy": acc}
+
+
+class ShadowTraining(MembershipAttack):
+    """Training a model of the target's architecture on population data with the sender's local
+    hyperparameters (LiRA's OUT shadows; the logits attack's reference model). The config names
+    ``shadow_epochs``, ``max_shadow_epochs`` and ``shadow_size``."""
+
+    def shadow_plan(self, target: Target, population: Queries) -> tuple[int, int, dict[str, Any]]:
+        """(epochs, samples per shadow, hyperparameters)."""
+        cfg = self.config
+        hp = hyperparameters(target.view, target.record)
+        epochs = cfg.shadow_epochs or max(1, min(cfg.max_shadow_epochs, hp["local_epochs"] * hp["rounds"]))
+        half = len(population.y) // 2
+        if half < 1:
+            raise AttackNotApplicable(f"{target.key}: {len(population.y)} population sample(s) are too few for shadow models")
+        sent = (target.record or {}).get("meta", {}).get("num_samples") if target.record and target.record["sender"] != "server" else None
+        size = cfg.shadow_size or (int(sent) if isinstance(sent, int) and sent > 0 else half)
+        return epochs, max(1, min(size, half)), hp
+
+    def train_shadow(self, target: Target, index: int, population: Queries, epochs: int, size: int, hp: dict[str, Any]) -> tuple[nn.Module, float]:
+        gen = torch_generator(self.seed, "mia-shadow-data", target.client, index)
+        subset = torch.randperm(len(population.y), generator=gen)[:size]
+        x, y = population.x[subset], population.y[subset]
+        model = self.fresh_model(target, derive_seed(self.seed, "mia-shadow-init", target.client, index)).to(self.device).train()
+        opt = make_optimizer(model.parameters(), hp)
+        torch.manual_seed(derive_seed(self.seed, "mia-shadow-train", target.client, index))  # dropout, if any
+        last = 0.0
+        for _ in range(epochs):
+            order = torch.randperm(size, generator=gen)
+            for i in range(0, size, hp["batch_size"]):
+                idx = order[i : i + hp["batch_size"]]
+                loss = F.cross_entropy(model(x[idx].to(self.device)), y[idx].to(self.device))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                last = float(loss.detach())
+        return model.eval(), last
+
+
+class LiRAScoring(ShadowTraining):
+    """Offline LiRA with OUT shadows only (see the module docstring)."""
+
+    paper = "Carlini et al., Membership Inference Attacks From First Principles, S&P 2022 (offline LiRA)"
+    Config = LiRAConfig
+    config: LiRAConfig
+
+    def __init__(self, config: Any = None, **kw: Any):
+        super().__init__(config, **kw)
+        #: (architecture key, population, queries, epochs, size) -> the shadows' phi on the queries (S, N)
+        self.cache: dict[tuple[str, str, str, int, int], torch.Tensor] = {}
+
+    def steps_for(self, targets: Sequence[Target]) -> int:
+        return len(targets) * self.config.shadows
+
+    def shadow_confidences(
+        self, target: Target, queries: Queries, population: Queries, progress: Progress | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The shadows' phi on the queries (S, N), trained once per key, and what was done."""
+        cfg = self.config
+        epochs, size, hp = self.shadow_plan(target, population)
+        key = (self.architecture_key(target), fingerprint(population), fingerprint(queries), epochs, size)
+        info = {"shadows": cfg.shadows, "shadow_epochs": epochs, "shadow_size": size, "population": len(population.y), "shadow_lr": hp["lr"]}
+        if key in self.cache:
+            if progress:
+                for s in range(cfg.shadows):
+                    progress(f"{target.client} shadows (cached)", s, cfg.shadows, 0.0)
+            return self.cache[key], {**info, "shadows_cached": 1}
+        with torch.random.fork_rng(devices=[]):
+            rows = []
+            for s in range(cfg.shadows):
+                model, last = self.train_shadow(target, s, population, epochs, size, hp)
+                rows.append(logit_confidence(predict(model, queries.x, cfg.eval_batch, self.device), queries.y))
+                if progress:
+                    progress(f"{target.client} shadow {s + 1}/{cfg.shadows}", s, cfg.shadows, last)
+        phis = torch.stack(rows)
+        self.cache[key] = phis
+        return phis, {**info, "shadows_cached": 0}
+
+    def score(self, target: Target, model: nn.Module, queries: Queries, progress: Progress | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        population = self.handed(target, "population")
+        logits, ce = self.per_query_loss(model, queries)
+        phi = logit_confidence(logits, queries.y)
+        shadows, info = self.shadow_confidences(target, queries, population, progress)
+        mu = shadows.mean(0)
+        variance = self.config.variance
+        if variance == "auto":
+            variance = "global" if self.config.shadows < GLOBAL_VARIANCE_BELOW else "per-example"
+        var = shadows.var(0, unbiased=True)
+        sigma = var.mean().sqrt().expand_as(mu) if variance == "global" else var.sqrt()
+        z = (phi - mu) / sigma.clamp_min(1e-6)
+        return z, {
+            **info,
+            "target_loss": float(ce.mean()),
+            "variance": variance,
+            "score": "(phi_target - mu_out) / sigma_out, phi = log(p_y / (1 - p_y))",
+            "phi_target_mean": float(phi.mean()),
+            "phi_shadow_mean": float(mu.mean()),
+        }
+
+
+# ------------------------------------------------------------------------------------------ registered
+_PATH_A = "captured parameters: the sender's module after local training (full parameters, or an update on the previous state)"
+_PATH_B = "the client's stored extractor + the head broadcast to it"
+
+
+@register_attack("mia-loss")
+class LossMIA(LossScoring, CapturedModelMembership):
+    __doc__ = f"Loss-threshold membership inference on {_PATH_A}."
+    needs = Knowledge(previous_state=True, candidates=True)
+
+
+@register_attack("mia-lira")
+class LiRAMIA(LiRAScoring, CapturedModelMembership):
+    __doc__ = f"Offline LiRA membership inference on {_PATH_A}."
+    needs = Knowledge(previous_state=True, local_hyperparameters=True, candidates=True, population=True)
+
+
+@register_attack("mia-loss-extractor")
+class LossMIAExtractor(LossScoring, ExtractorHeadMembership):
+    __doc__ = f"Loss-threshold membership inference on {_PATH_B}."
+    needs = Knowledge(extractor=True, candidates=True)
+
+
+@register_attack("mia-lira-extractor")
+class LiRAMIAExtractor(LiRAScoring, ExtractorHeadMembership):
+    __doc__ = f"Offline LiRA membership inference on {_PATH_B}."
+    needs = Knowledge(extractor=True, local_hyperparameters=True, candidates=True, population=True)
+
+
+__all__ = [
+    "CapturedModelMembership",
+    "ExtractorHeadMembership",
+    "LiRAConfig",
+    "LiRAMIA",
+    "LiRAMIAExtractor",
+    "LiRAScoring",
+    "LossConfig",
+    "LossMIA",
+    "LossMIAExtractor",
+    "LossScoring",
+    "MembershipAttack",
+    "ShadowTraining",
+    "logit_confidence",
+]
