@@ -299,6 +299,7 @@ class ExtractorHeadMembership(MembershipAttack):
     """Path (b): the stored extractor of (client, round) followed by the head broadcast to it in that round."""
 
     consumes = frozenset({"head"})
+    threat_model = "curious-server-extractor-membership"
 
     def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """The server's broadcasts to clients (what the client's extractor is completed with)."""

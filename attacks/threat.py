@@ -62,6 +62,11 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         "honest-but-curious server that rebuilds a client's model from what it captured and is handed candidate records "
         "(membership hidden) plus population data for shadow models: the membership-inference game",
     ),
+    "curious-server-extractor-membership": (
+        Knowledge(extractor=True, candidates=True, population=True),
+        "honest-but-curious server that holds each client's extractor, completes it with the head it broadcast, and is handed "
+        "candidate records (membership hidden) plus population data for shadow models: the membership-inference game",
+    ),
     "eavesdropper-membership": (
         Knowledge(candidates=True, population=True),
         "anyone who sees the messages, no model of the client, handed candidate records (membership hidden) and "

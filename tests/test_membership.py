@@ -197,6 +197,7 @@ def test_fedre_is_attacked_through_its_stored_extractor_and_head(runs):
     print(f"fedre mia-loss-extractor AUC {report.summary['auc']:.3f}")
     assert report.summary["targets"] == 2 and 0 <= report.summary["auc"] <= 1
     assert report.protocol["knowledge_used"] == ["extractor", "candidates"] and "never transmitted" in report.protocol["approximation"]
+    assert report.protocol["threat_model"] == "curious-server-extractor-membership"
     report = run_attack(run, "mia-lira-extractor", clients=[0], options={"shadows": 2, "max_shadow_epochs": 1}, device="cpu", write=False)
     assert report.summary["targets"] == 1 and 0 < report.rows[0]["population"] < 150  # client1's held-out samples
     print(f"fedre mia-lira-extractor AUC {report.summary['auc']:.3f}")
