@@ -1,0 +1,438 @@
+"""The audit: one call that measures what a federated method leaks, beside reference methods.
+
+    from attacks.audit import audit
+    result = audit("mypkg.mymethod:MyMethod", profile="quick")     # trains, attacks, compares, reports
+    result.report["methods"][0]["kinds"], result.html               # numbers, and the self-contained page
+
+For the audited method (or an existing run of it) and for reference methods trained on the same data,
+partition and seed (FedAvg and Local by default; FedProto and FedRE too when the method sends
+representations), the audit runs every registered attack that applies, on every kind each method
+sends, at a few rounds (first, middle and last), through :func:`attacks.runner.run_attack`, and
+keeps per kind the strongest result of each attack family: image reconstruction (PSNR, SSIM, LPIPS
+and the gallery of the best one), label inference (recall of the classes behind a message, L1 of
+the class shares) and membership inference (AUC, TPR at 1 % FPR, advantage), each with the threat
+model it assumes. Defenses given with ``defenses`` add defended runs of the method as extra points.
+:mod:`attacks.audit_report` turns that into ``report.json`` (schema ``privfl-audit/1``, documented
+in docs/audit.md), a self-contained ``report.html`` and a privacy-utility figure.
+
+Profiles (:data:`PROFILES`) fix the training size and the attack budgets: ``quick`` is minutes on
+two CPU cores, ``standard`` the default training run with stronger attacks, ``paper`` the attacks'
+own papers' settings on the method's default training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attacks.base import ATTACKS, KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Selection
+from attacks.runner import AttackReport, run_attack
+from privfl.errors import ConfigError, PrivflError
+from privfl.kinds import KINDS, Family
+from privfl.methods.base import FLMethod
+from privfl.run import Run
+
+#: which attack family each kind of output belongs to, and the metric that ranks its results
+FAMILY_OF_OUTPUT = {"images": "reconstruction", "labels": "labels", "membership": "membership"}
+REPRESENTATION_FAMILIES = (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION)
+#: run options the references copy from the audited run, so they train on the same data, partition and seed
+SHARED_OPTIONS = (
+    "dataset", "data_root", "subsample", "num_clients", "partition", "alpha", "classes_per_client", "imbalance_factor", "balanced",
+    "min_samples", "train_fraction", "rounds", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "seed",
+    "rep_dim", "mapping", "eval_batch_size", "knowledge_rounds", "device",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How big the trained runs are and how hard each attack tries."""
+
+    name: str
+    description: str
+    train: dict[str, Any]  # run options of every trained run (over the methods' own quick defaults)
+    attack_clients: int  # clients attacked per kind and round
+    attack_options: dict[str, dict[str, Any]]  # per attack name: Config fields (unknown ones are skipped)
+    max_targets: int = 1  # rows per representation message
+
+
+PROFILES: dict[str, Profile] = {
+    "quick": Profile(
+        "quick",
+        "minutes on 2 CPU cores: 6000 samples, 5 rounds, 2 clients attacked, short optimisations",
+        {"subsample": 6000, "rounds": 5},
+        2,
+        {
+            "invert": {"steps": 300, "batch": 16},
+            "dlg": {"steps": 20, "max_batch": 1, "lbfgs_max_iter": 10},
+            "idlg": {"steps": 20, "max_batch": 1, "lbfgs_max_iter": 10},
+            "ig": {"steps": 300, "max_batch": 1},
+            "mia-loss": {"queries": 200},
+            "mia-lira": {"queries": 200, "population": 600, "shadows": 2, "shadow_epochs": 2},
+            "mia-logits": {"queries": 200, "population": 600, "matching_rounds": 4},
+        },
+    ),
+    "standard": Profile(
+        "standard",
+        "the default training run (the method's quick CPU default) with stronger attacks on 3 clients",
+        {},
+        3,
+        {
+            "invert": {"steps": 1000},
+            "dlg": {"steps": 100, "max_batch": 4},
+            "idlg": {"steps": 100, "max_batch": 4},
+            "ig": {"steps": 1000, "max_batch": 4},
+            "mia-loss": {"queries": 500},
+            "mia-lira": {"queries": 500, "population": 2000, "shadows": 8, "shadow_epochs": 5},
+            "mia-logits": {"queries": 500, "population": 2000},
+        },
+        max_targets=2,
+    ),
+    "paper": Profile(
+        "paper",
+        "each attack's own paper settings (DIP 3100 steps, DLG 300, IG 4800, LiRA 64 shadows) on the default training run",
+        {},
+        4,
+        {
+            "invert": {},
+            "dlg": {},
+            "idlg": {},
+            "ig": {},
+            "mia-loss": {"queries": 1000},
+            "mia-lira": {"queries": 1000, "shadows": 64},
+            "mia-logits": {"queries": 1000, "matching_rounds": 10},
+        },
+        max_targets=4,
+    ),
+}
+
+
+@dataclass
+class AttackOutcome:
+    """One attack on one kind at one round of one run: its report, or why it did not apply."""
+
+    attack: str
+    family: str  # reconstruction | labels | membership
+    kind: str
+    round: int | None
+    threat_model: str
+    report: AttackReport | None = None
+    reason: str = ""
+    fix: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Subject:
+    """A method the audit trains (or opens) and attacks: the audited one, a defended variant, a reference."""
+
+    role: str  # audited | defended | reference
+    method: str
+    defenses: list[str] = field(default_factory=list)
+    run: Run | None = None
+    outcomes: list[AttackOutcome] = field(default_factory=list)
+    train_seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.method + (f" + {' + '.join(self.defenses)}" if self.defenses else "")
+
+
+@dataclass
+class AuditResult:
+    report: dict[str, Any]  # what report.json holds
+    folder: Path
+    html: Path
+    json: Path
+    subjects: list[Subject]
+
+
+def audited_rounds(rounds: int) -> list[int]:
+    """First, middle and last round (fewer when the run is shorter)."""
+    return sorted({0, (rounds - 1) // 2, rounds - 1})
+
+
+def references_for(method_cls: type[FLMethod], given: Sequence[str] | None, name: str = "") -> list[str]:
+    """``given``, or by default FedAvg and Local, plus FedProto and FedRE when the method sends
+    representations; FedAvg audited is compared with FedSGD (its gradient-sharing ancestor, McMahan
+    et al. 2017) and Local, so that some reference sends something. The audited method itself is left out."""
+    if given is not None:
+        return [m for m in given if m and m != name]
+    out = ["fedsgd", "local"] if name == "fedavg" else ["fedavg", "local"]
+    if any(KINDS.get(k).family in REPRESENTATION_FAMILIES for k in method_cls.sends if k in KINDS):
+        out += ["fedproto", "fedre"]
+    return [m for m in out if m != name]
+
+
+def predict(method_cls: type[FLMethod]) -> list[tuple[str, str]]:
+    """What the method's declarations already say before training: (attack family or kind, the line to fix).
+
+    Found from ``sends``, ``exposes`` and ``leakage`` alone, so ``--check`` says it before training."""
+    notes: list[tuple[str, str]] = []
+    families = {k: KINDS.get(k).family for k in method_cls.sends if k in KINDS}
+    if not families:
+        notes.append(("all", "the method declares nothing in sends: no message to attack (a local baseline?)"))
+    reps = [k for k, f in families.items() if f in REPRESENTATION_FAMILIES]
+    if reps and "extractor" not in method_cls.exposes:
+        notes.append(("invert", f"{', '.join(reps)} cannot be inverted without the client's extractor: {KNOWLEDGE_FIXES['extractor']}"))
+    for kind, family in families.items():
+        ctx = method_cls.leakage_context(kind)
+        if ctx is not None and ctx.readout == "probe":
+            notes.append(
+                (
+                    "membership",
+                    f"{kind}: its module ends in the attacker's own probe, so no membership test of the client's "
+                    "classifier; declare a LeakageContext whose module maps images to the client's class scores",
+                )
+            )
+        if family in (Family.PARAMETERS, Family.GRADIENT) and ctx is not None and ctx.previous not in method_cls.sends:
+            notes.append(
+                (
+                    "gradient",
+                    f"{kind}: its previous state is declared as kind {ctx.previous!r}, which the method does not send: "
+                    f"{KNOWLEDGE_FIXES['previous_state']}",
+                )
+            )
+    return notes
+
+
+def _options_for(attack: type[Attack], wanted: dict[str, Any]) -> dict[str, Any]:
+    """The profile's options that the attack's Config has (a plug-in attack may have none of them)."""
+    cfg = attack.default_config()
+    if not dataclasses.is_dataclass(cfg):
+        return {}
+    names = {f.name for f in dataclasses.fields(cfg)}
+    return {k: v for k, v in wanted.items() if k in names}
+
+
+def attack_run(
+    subject: Subject, profile: Profile, *, seed: int, device: str, progress: bool, data_root: str | None, log: Callable[[str], None]
+) -> None:
+    """Every registered attack on every kind the subject's run sends, at the audited rounds."""
+    assert subject.run is not None
+    run = subject.run
+    view = run.attacker
+    rounds = audited_rounds(len(run.metrics) or int(run.config.get("rounds", 1)))
+    for name in ATTACKS.names():
+        cls = ATTACKS.get(name)
+        family = FAMILY_OF_OUTPUT[sorted(cls.produces)[0]]
+        probe = cls(seed=seed)
+        for kind in view.kinds():
+            if not cls.takes(kind):
+                continue
+            for rnd in rounds:
+                senders = sorted(
+                    {m["sender"] if m["sender"] != "server" else m["receiver"] for m in view.messages(kind, rnd)},
+                    key=lambda c: int(c.removeprefix("client")) if c.removeprefix("client").isdigit() else 0,
+                )
+                outcome = AttackOutcome(name, family, kind, rnd, cls.threat_model)
+                if not senders:
+                    continue
+                clients = senders[: profile.attack_clients]
+                plan = probe.plan(view, Selection(kind=kind, rounds=[rnd], clients=clients, max_targets=profile.max_targets))
+                if not plan:
+                    outcome.reason, outcome.fix = plan.reason, plan.fix
+                    subject.outcomes.append(outcome)
+                    continue
+                start = time.perf_counter()
+                try:
+                    outcome.report = run_attack(
+                        run,
+                        name,
+                        kind=kind,
+                        round=rnd,
+                        clients=clients,
+                        max_targets=profile.max_targets,
+                        options=_options_for(cls, profile.attack_options.get(name, {})),
+                        seed=seed,
+                        device=device,
+                        name=f"audit-{name}-{kind}-r{rnd}",
+                        progress=progress,
+                        data_root=data_root,
+                    )
+                except AttackNotApplicable as exc:
+                    outcome.reason, outcome.fix = str(exc), exc.fix
+                outcome.seconds = time.perf_counter() - start
+                subject.outcomes.append(outcome)
+                if outcome.report is not None:
+                    log(f"  {subject.label}: {name} on {kind} r{rnd}: {headline(outcome)}")
+
+
+def headline(outcome: AttackOutcome) -> str:
+    """The one number of a result, in words."""
+    s = outcome.report.summary if outcome.report else {}
+    if outcome.family == "reconstruction":
+        psnr = reconstruction_psnr(s)
+        return f"PSNR {psnr:.2f} dB" if psnr is not None else "no PSNR"
+    if outcome.family == "labels":
+        return f"class recall {s.get('recall', float('nan')):.2f}, histogram L1 {s.get('l1', float('nan')):.2f}"
+    return f"AUC {s.get('auc', float('nan')):.3f}, TPR@1%FPR {s.get('tpr_at_1pct_fpr', float('nan')):.3f}"
+
+
+def reconstruction_psnr(summary: dict[str, Any]) -> float | None:
+    """PSNR (dB, per image then averaged) of a reconstruction result: against the exact image when there
+    is one, else the best match (gradient leakage scores 'psnr' per matched image)."""
+    for key in ("exact_psnr255", "best_psnr255", "psnr"):
+        value = summary.get(key)
+        if isinstance(value, (int, float)) and value == value:
+            return float(value)
+    return None
+
+
+def train_subject(subject: Subject, values: dict[str, Any], out: Path, *, progress: bool, log: Callable[[str], None]) -> None:
+    """Train one subject into ``out/runs/<name>``."""
+    import privfl.train as train_module
+
+    name = subject.method.replace(":", ".").replace("/", ".") + ("-" + "-".join(_slug(d) for d in subject.defenses) if subject.defenses else "")
+    run_dir = out / "runs" / name
+    if (run_dir / "config.json").exists():
+        raise ConfigError(f"{run_dir} already exists: give another --out (the audit never overwrites a run)")
+    log(f"training {subject.label} ({subject.role})")
+    start = time.perf_counter()
+    subject.run = train_module.train(
+        {**values, "method": subject.method, "defense": list(subject.defenses), "out_dir": str(out / "runs"), "run_name": name, "progress": progress}
+    )
+    subject.train_seconds = time.perf_counter() - start
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_")
+
+
+def reference_values(values: dict[str, Any], method: str) -> dict[str, Any]:
+    """The audited run's shared options for a reference method, in a model group it can train (:func:`model_group_for`)."""
+    out = {k: v for k, v in values.items() if k in SHARED_OPTIONS}
+    out["model_group"] = model_group_for(method, values)
+    return out
+
+
+def model_group_for(method: str, values: dict[str, Any]) -> str:
+    """The run's model group, or for a method that needs one architecture (FedAvg) and a mixed group,
+    the homogeneous group of the mixed group's first model (``homo-cnn4`` when there is none)."""
+    from privfl.methods import resolve_method
+    from privfl.models import MODEL_GROUPS, assign_archs
+
+    group = str(values.get("model_group", "cpu5"))
+    if resolve_method(method).requires_homogeneous and len(set(assign_archs(group, int(values.get("num_clients", 10))))) > 1:
+        first = assign_archs(group, 1)[0]
+        return next((g for g in MODEL_GROUPS.names("homo-*") if MODEL_GROUPS.get(g) == (first,)), "homo-cnn4")
+    return group
+
+
+def audit(
+    method: str | None = None,
+    *,
+    run: str | Path | None = None,
+    profile: str | Profile = "quick",
+    compare: Sequence[str] | None = None,
+    defenses: Sequence[str] = (),
+    out: str | Path = "runs/audit",
+    device: str = "auto",
+    seed: int = 0,
+    train_options: dict[str, Any] | None = None,
+    data_root: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> AuditResult:
+    """Audit ``method`` (trained here with ``profile``) or an existing ``run``; see the module docstring.
+
+    ``train_options`` are run options for the audited training (dataset, model_group, num_clients,
+    method options...); the references take the same data, partition and seed. ``out`` must not be an
+    existing audit folder with results (nothing is overwritten)."""
+    from privfl.methods import check_method_class, resolve_method
+
+    if isinstance(profile, Profile):
+        prof = profile
+    elif profile in PROFILES:
+        prof = PROFILES[profile]
+    else:
+        raise ConfigError(f"unknown profile {profile!r}; accepted: {', '.join(PROFILES)}")
+    out = Path(out)
+    if (out / "report.json").exists():
+        raise ConfigError(f"{out} already holds an audit report: give another --out")
+    if run is not None:
+        opened = Run.open(run)
+        method_name = opened.method
+        if method is not None and method != method_name:
+            raise ConfigError(f"--run {opened.path} is a run of {method_name}, not {method}")
+        values = {**opened.config}
+    elif method is not None:
+        opened, method_name = None, method
+        method_cls = resolve_method(method_name)
+        values = {**getattr(method_cls.Options, "run_defaults", {}), **prof.train, **(train_options or {})}
+        values["seed"] = seed
+        values["device"] = device
+        rounds = int(values.get("rounds", 20))
+        values.setdefault("knowledge_rounds", ",".join(map(str, audited_rounds(rounds))))
+        if "model_group" not in (train_options or {}):
+            group = model_group_for(method_name, values)
+            if group != values.get("model_group", "cpu5"):
+                log(f"note: {method_name} needs one architecture for every client: trained on {group} (set --train model_group=... to choose)")
+            values["model_group"] = group
+    else:
+        raise ConfigError("audit a method (METHOD or pkg.mod:Class) or an existing run (--run DIR)")
+    method_cls = resolve_method(method_name)
+    check_method_class(method_cls)
+    for note in predict(method_cls):
+        log(f"note: {note[1]}")
+    for spec in defenses:
+        from defenses import parse_defense
+
+        parse_defense(spec)  # one-line error before anything is trained
+    refs = references_for(method_cls, compare, method_name)
+    for ref in refs:
+        resolve_method(ref)
+    subjects = [Subject("audited", method_name, run=opened)]
+    subjects += [Subject("defended", method_name, [d]) for d in defenses]
+    subjects += [Subject("reference", m) for m in refs if m != method_name]
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _audit_subjects(subjects, values, prof, out, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
+    except PrivflError:
+        if created and not any((out / "runs").glob("*/config.json")):
+            shutil.rmtree(out, ignore_errors=True)  # this invocation made it and trained nothing into it: leave no empty folder
+        raise
+
+
+def _audit_subjects(
+    subjects: list[Subject],
+    values: dict[str, Any],
+    prof: Profile,
+    out: Path,
+    *,
+    seed: int,
+    device: str,
+    progress: bool,
+    data_root: str | None,
+    log: Callable[[str], None],
+) -> AuditResult:
+    """Train what is not trained yet, attack every subject, write the report."""
+    from attacks.audit_report import write_audit
+
+    start = time.perf_counter()
+    for i, subject in enumerate(subjects, 1):
+        log(f"[{i}/{len(subjects)}] {subject.label} ({subject.role})")
+        if subject.run is None:
+            base = {k: v for k, v in values.items() if k not in ("method", "defense", "run_name", "out_dir", "options", "progress")}
+            if subject.role in ("audited", "defended"):
+                vals = {**base, **({"options": dict(values["options"])} if values.get("options") else {})}
+            else:
+                vals = reference_values(base, subject.method)
+            try:
+                train_subject(subject, vals, out, progress=progress, log=log)
+            except PrivflError as exc:
+                if subject.role == "audited":
+                    raise
+                log(f"  {subject.label}: not trained: {exc}")
+                continue
+        attack_run(subject, prof, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
+    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=seed)
+    return AuditResult(report, out, html, json_path, subjects)
+
+
+__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "Profile", "Subject", "audit", "audited_rounds", "predict", "references_for"]

@@ -1,0 +1,488 @@
+"""The audit's report: ``report.json`` (schema ``privfl-audit/1``), a self-contained ``report.html`` and
+the privacy-utility figure.
+
+``report.json`` is versioned by its ``schema`` field and validated against :data:`SCHEMA` (JSON Schema
+2020-12; ``python -m privfl.audit --schema`` prints it, docs/audit.md explains every field). A change
+that removes or renames a field bumps the version; new optional fields do not. ``report.html`` embeds
+every picture as a data URI, so it opens offline and can be mailed as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from attacks.threat import THREAT_MODELS
+from privfl.capture.store import atomic_write_bytes, atomic_write_text
+from privfl.kinds import KINDS
+
+if TYPE_CHECKING:
+    from attacks.audit import AttackOutcome, Profile, Subject
+
+SCHEMA_VERSION = "privfl-audit/1"
+#: differences below these count as "about as much" in the comparison sentences
+MARGINS = {"reconstruction": 0.5, "labels": 0.05, "membership": 0.02}
+
+_NUM = {"type": ["number", "null"]}
+_BEST: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["attack", "round", "threat_model", "threat_model_text"],
+    "properties": {"attack": {"type": "string"}, "round": {"type": "integer"}, "threat_model": {"type": "string"},
+                   "threat_model_text": {"type": "string"}, "folder": {"type": ["string", "null"]},
+                   "warnings": {"type": "array", "items": {"type": "string"}}},
+}  # fmt: skip
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://privfl.dev/schemas/privfl-audit-1.json",
+    "title": "privfl audit report",
+    "type": "object",
+    "required": ["schema", "privfl_version", "created", "subject", "profile", "seed", "seconds", "methods", "figure"],
+    "properties": {
+        "schema": {"const": SCHEMA_VERSION},
+        "privfl_version": {"type": "string"},
+        "created": {"type": "string"},
+        "subject": {"type": "string", "description": "the audited method"},
+        "profile": {"type": "object", "required": ["name", "description", "train", "attack_clients", "attack_options"]},
+        "seed": {"type": "integer"},
+        "seconds": {"type": "number"},
+        "figure": {"type": "string"},
+        "methods": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["method", "label", "role", "defenses", "run", "accuracy", "communication", "kinds", "privacy"],
+                "properties": {
+                    "method": {"type": "string"},
+                    "label": {"type": "string"},
+                    "role": {"enum": ["audited", "defended", "reference"]},
+                    "defenses": {"type": "array", "items": {"type": "string"}},
+                    "run": {"type": ["string", "null"]},
+                    "train_seconds": {"type": "number"},
+                    "accuracy": {
+                        "type": ["object", "null"],
+                        "required": ["final", "final_std", "best", "best_round"],
+                        "properties": {"final": _NUM, "final_std": _NUM, "best": _NUM, "best_round": {"type": ["integer", "null"]}},
+                    },
+                    "communication": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+                    "privacy": {
+                        "type": "object",
+                        "required": ["best_psnr", "label_recall", "membership_auc"],
+                        "properties": {"best_psnr": _NUM, "label_recall": _NUM, "membership_auc": _NUM},
+                    },
+                    "kinds": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["kind", "family", "directions", "reconstruction", "labels", "membership", "results",
+                                         "not_applicable", "comparison"],
+                            "properties": {
+                                "kind": {"type": "string"},
+                                "family": {"type": "string"},
+                                "directions": {"type": "array", "items": {"enum": ["up", "down", "peer"]}},
+                                "reconstruction": {**_BEST, "properties": {**_BEST["properties"], "psnr": _NUM, "ssim": _NUM, "lpips": _NUM,
+                                                                           "lpips_note": {"type": "string"}}},
+                                "labels": {**_BEST, "properties": {**_BEST["properties"], "recall": _NUM, "precision": _NUM, "l1": _NUM}},
+                                "membership": {**_BEST, "properties": {**_BEST["properties"], "auc": _NUM, "tpr_at_1pct_fpr": _NUM,
+                                                                       "advantage": _NUM}},
+                                "results": {"type": "array", "items": {
+                                    "type": "object", "required": ["attack", "family", "round", "threat_model", "metrics"],
+                                    "properties": {"attack": {"type": "string"}, "family": {"enum": ["reconstruction", "labels", "membership"]},
+                                                   "round": {"type": "integer"}, "threat_model": {"type": "string"},
+                                                   "metrics": {"type": "object"}, "folder": {"type": ["string", "null"]},
+                                                   "seconds": {"type": "number"}, "warnings": {"type": "array", "items": {"type": "string"}}}}},
+                                "not_applicable": {"type": "array", "items": {
+                                    "type": "object", "required": ["attack", "reason", "fix"],
+                                    "properties": {"attack": {"type": "string"}, "round": {"type": ["integer", "null"]},
+                                                   "reason": {"type": "string"}, "fix": {"type": "string"}}}},
+                                "comparison": {"type": "array", "items": {"type": "string"}},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ numbers
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value == value and abs(value) != float("inf") else None
+
+
+def _result(o: AttackOutcome) -> dict[str, Any]:
+    from attacks.audit import reconstruction_psnr
+
+    assert o.report is not None and o.round is not None
+    s = o.report.summary
+    if o.family == "reconstruction":
+        metrics = {
+            "psnr": reconstruction_psnr(s),
+            "ssim": _num(s.get("exact_ssim", s.get("best_ssim", s.get("ssim")))),
+            "lpips": _num(s.get("exact_lpips", s.get("best_lpips", s.get("lpips")))),
+        }
+    elif o.family == "labels":
+        metrics = {k: _num(s.get(k)) for k in ("recall", "precision", "l1", "exact")}
+    else:
+        metrics = {k: _num(s.get(k)) for k in ("auc", "tpr_at_1pct_fpr", "advantage")}
+    return {
+        "attack": o.attack,
+        "family": o.family,
+        "round": o.round,
+        "threat_model": o.threat_model,
+        "metrics": metrics,
+        "folder": str(o.report.folder) if o.report.folder else None,
+        "seconds": round(o.seconds, 2),
+        "warnings": list(o.report.protocol.get("warnings", [])),
+    }
+
+
+def _best(results: list[dict[str, Any]], family: str, lpips_note: str) -> dict[str, Any] | None:
+    chosen = [r for r in results if r["family"] == family]
+    if not chosen:
+        return None
+    best = max(chosen, key=lambda r: _rank(r["metrics"], family) or (float("-inf"),))
+    out = {
+        "attack": best["attack"],
+        "round": best["round"],
+        "threat_model": best["threat_model"],
+        "threat_model_text": THREAT_MODELS[best["threat_model"]][1] if best["threat_model"] in THREAT_MODELS else "",
+        "folder": best["folder"],
+        "warnings": best["warnings"],
+        **best["metrics"],
+    }
+    if family == "reconstruction":
+        out["lpips_note"] = lpips_note
+    return out
+
+
+def method_entry(subject: Subject) -> dict[str, Any]:
+    from attacks.runner import lpips_note
+
+    run = subject.run
+    summary = run.summary if run is not None else {}
+    entry: dict[str, Any] = {
+        "method": subject.method, "label": subject.label, "role": subject.role, "defenses": list(subject.defenses),
+        "run": str(run.path) if run is not None else None, "train_seconds": round(subject.train_seconds, 2),
+        "accuracy": {"final": _num(summary.get("final_acc")), "final_std": _num(summary.get("final_acc_std")),
+                     "best": _num(summary.get("best_acc")), "best_round": summary.get("best_round")} if summary else None,
+        "communication": {k: float(v) for k, v in summary.get("per_round", {}).items()} if summary else None,
+        "kinds": [],
+    }  # fmt: skip
+    note = lpips_note()
+    kinds = sorted({o.kind for o in subject.outcomes} | set(run.attacker.kinds() if run is not None and run.info else []))
+    for kind in kinds:
+        outcomes = [o for o in subject.outcomes if o.kind == kind]
+        results = [_result(o) for o in outcomes if o.report is not None]
+        directions = sorted({r["direction"] for r in run.attacker.records() if r["kind"] == kind}) if run is not None else []
+        entry["kinds"].append({
+            "kind": kind, "family": str(KINDS.get(kind).family) if kind in KINDS else "", "directions": directions,
+            "reconstruction": _best(results, "reconstruction", note), "labels": _best(results, "labels", note),
+            "membership": _best(results, "membership", note), "results": results,
+            "not_applicable": [{"attack": o.attack, "round": o.round, "reason": o.reason, "fix": o.fix} for o in outcomes if o.report is None],
+            "comparison": [],
+        })  # fmt: skip
+    psnrs = [k["reconstruction"]["psnr"] for k in entry["kinds"] if k["reconstruction"] and k["reconstruction"]["psnr"] is not None]
+    recalls = [k["labels"]["recall"] for k in entry["kinds"] if k["labels"] and k["labels"]["recall"] is not None]
+    aucs = [k["membership"]["auc"] for k in entry["kinds"] if k["membership"] and k["membership"]["auc"] is not None]
+    entry["privacy"] = {
+        "best_psnr": max(psnrs) if psnrs else None,
+        "label_recall": max(recalls) if recalls else None,
+        "membership_auc": max(aucs) if aucs else None,
+    }
+    return entry
+
+
+def _rank(result: dict[str, Any], family: str) -> tuple[float, ...] | None:
+    """How much one result leaks, comparable within a family: PSNR; AUC; class recall, then the
+    closeness of the class shares (a smaller histogram L1 leaks more)."""
+    key = {"reconstruction": "psnr", "labels": "recall", "membership": "auc"}[family]
+    if result.get(key) is None:
+        return None
+    if family == "labels":
+        return (float(result[key]), -float(result["l1"]) if result.get("l1") is not None else -2.0)
+    return (float(result[key]),)
+
+
+def _strongest(entry: dict[str, Any], family: str) -> tuple[tuple[float, ...], str, int] | None:
+    """(rank, kind, round) of a method's strongest result of one attack family."""
+    found = [(rank, k["kind"], k[family]["round"]) for k in entry["kinds"] if k[family] and (rank := _rank(k[family], family)) is not None]
+    return max(found) if found else None
+
+
+def _verb(diff: float, margin: float) -> str:
+    return "leaks about as much as" if abs(diff) < margin else ("leaks more than" if diff > 0 else "leaks less than")
+
+
+def compare(entries: list[dict[str, Any]]) -> None:
+    """One plain sentence per attack family and reference, on each kind of the audited (and defended) method."""
+    refs = [e for e in entries if e["role"] == "reference"]
+    units = {"reconstruction": ("dB", ".1f", "PSNR"), "labels": ("", ".2f", "class recall"), "membership": ("", ".3f", "membership AUC")}
+    for entry in entries:
+        if entry["role"] == "reference":
+            continue
+        for k in entry["kinds"]:
+            for family, (unit, fmt, what) in units.items():
+                if family == "labels" and k["directions"] == ["down"]:  # a broadcast's classes are every client's: no per-client comparison
+                    continue
+                mine = k[family]
+                rank = _rank(mine, family) if mine else None
+                if rank is None:
+                    continue
+                for ref in refs:
+                    theirs = _strongest(ref, family)
+                    if theirs is None:
+                        continue
+                    u = f" {unit}" if unit else ""
+                    head = f"{entry['label']}'s {k['kind']}"
+                    where = f"{ref['label']}'s {theirs[1]}"
+                    diff = rank[0] - theirs[0][0]
+                    if family == "labels" and abs(diff) < MARGINS[family]:  # the same classes named: the shares decide
+                        sentence = (
+                            f"labels: {head} {_verb(rank[1] - theirs[0][1], MARGINS['labels'])} {where}: class recall {rank[0]:.2f} "
+                            f"against {theirs[0][0]:.2f}, histogram L1 {-rank[1]:.2f} (round {mine['round']}) against "
+                            f"{-theirs[0][1]:.2f} (round {theirs[2]}), 0 = the exact class shares"
+                        )
+                    else:
+                        sentence = (
+                            f"{what}: {head} {_verb(diff, MARGINS[family])} {where}: {rank[0]:{fmt}}{u} "
+                            f"(round {mine['round']}) against {theirs[0][0]:{fmt}}{u} (round {theirs[2]})"
+                        )
+                    k["comparison"].append(sentence)
+                if not refs or all(_strongest(r, family) is None for r in refs):
+                    k["comparison"].append(f"{what}: no reference method gave a {family} result to compare with")
+    for ref in refs:
+        if not ref["kinds"]:
+            for entry in entries:
+                if entry["role"] != "reference" and entry["kinds"]:
+                    entry["kinds"][0]["comparison"].append(f"{ref['label']} sends nothing: it leaks nothing through messages")
+
+
+# ------------------------------------------------------------------------------------------ pictures
+def privacy_utility_figure(path: Path, entries: list[dict[str, Any]]) -> Path:
+    """Final accuracy against the best reconstruction PSNR and against the membership AUC, one point per method."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.0, 3.8), dpi=100)
+    FigureCanvasAgg(fig)
+    markers = {"audited": ("*", 160), "defended": ("s", 60), "reference": ("o", 60)}
+    for i, (key, xlabel) in enumerate(
+        (("best_psnr", "best reconstruction PSNR (dB), higher = more leakage"), ("membership_auc", "membership AUC, 0.5 = chance"))
+    ):
+        ax = fig.add_subplot(1, 2, i + 1)
+        shown = 0
+        for e in entries:
+            x, acc = e["privacy"][key], (e["accuracy"] or {}).get("final")
+            if x is None or acc is None:
+                continue
+            m, size = markers[e["role"]]
+            ax.scatter([x], [100 * acc], marker=m, s=size, label=e["label"])
+            ax.annotate(e["label"], (x, 100 * acc), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            shown += 1
+        for e in entries:  # a method that sends nothing has no leakage to plot, but its accuracy is the utility to beat
+            acc = (e["accuracy"] or {}).get("final")
+            if e["privacy"][key] is None and acc is not None and not e["kinds"]:
+                ax.axhline(100 * acc, color="#777777", linestyle=":", linewidth=0.9)
+                ax.annotate(f"{e['label']} (sends nothing)", (0.01, 100 * acc), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                            textcoords="offset points", fontsize=7, color="#555555")  # fmt: skip
+        if key == "membership_auc":
+            ax.axvline(0.5, color="#999999", linestyle="--", linewidth=0.8)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel("final test accuracy (%)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if not shown:
+            ax.text(0.5, 0.5, "no method gave this result", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        missing = [e["label"] for e in entries if e["privacy"][key] is None and e["kinds"]]
+        if missing:  # a method without the result is named, not silently left out
+            ax.text(0.0, -0.22, "no result: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="#555555")
+    fig.suptitle("privacy-utility: each point a method (star: audited, square: defended, circle: reference)", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _img(path: str | Path | None, alt: str) -> str:
+    if path is None or not Path(path).is_file():
+        return ""
+    return f'<img src="{_data_uri(Path(path))}" alt="{html.escape(alt)}">'
+
+
+# ------------------------------------------------------------------------------------------ html
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:1300px}
+h1{font-size:1.5em}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #ccc}h3{font-size:1.05em;margin-top:1.4em}
+table{border-collapse:collapse;margin:.6em 0;font-size:.88em}th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
+th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}img{max-width:100%;border:1px solid #ddd;margin:.3em 0}
+p.note{color:#555}.warn{color:#a33}li{margin:.15em 0}
+"""
+
+
+def _fmt(v: Any, spec: str = ".3g", unit: str = "") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:{spec}}{unit}"
+    return html.escape(str(v)) + unit
+
+
+def _headline_table(entries: list[dict[str, Any]]) -> str:
+    head = ("<tr><th>method</th><th>role</th><th>final accuracy</th><th>upload / round</th><th>broadcast / round</th>"
+            "<th>peer / round</th><th>best PSNR (dB)</th><th>class recall</th><th>membership AUC</th></tr>")  # fmt: skip
+    rows = []
+    for e in entries:
+        acc, comm, p = e["accuracy"] or {}, e["communication"] or {}, e["privacy"]
+        final = f"{100 * acc['final']:.2f} ± {100 * (acc.get('final_std') or 0):.2f} %" if acc.get("final") is not None else "–"
+        rows.append(
+            f"<tr><td>{html.escape(e['label'])}</td><td>{e['role']}</td><td class=n>{final}</td>"
+            f"<td class=n>{_bytes(comm.get('upload_bytes'))}</td><td class=n>{_bytes(comm.get('broadcast_bytes'))}</td>"
+            f"<td class=n>{_bytes(comm.get('peer_bytes'))}</td><td class=n>{_fmt(p['best_psnr'], '.2f')}</td>"
+            f"<td class=n>{_fmt(p['label_recall'], '.2f')}</td><td class=n>{_fmt(p['membership_auc'], '.3f')}</td></tr>"
+        )
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def _lpips_note(entries: list[dict[str, Any]]) -> str:
+    """Why LPIPS is missing, said once for the page (it is the same reason for every result)."""
+    for e in entries:
+        for k in e["kinds"]:
+            r = k["reconstruction"]
+            if r and r.get("lpips") is None and r.get("lpips_note", "").startswith("unavailable"):
+                return str(r["lpips_note"]).removeprefix("unavailable: ")
+    return ""
+
+
+def _bytes(n: float | None) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _kind_section(k: dict[str, Any]) -> str:
+    parts = [f"<h3>{html.escape(k['kind'])} <small>({html.escape(k['family'])}, sent {', '.join(k['directions']) or '–'})</small></h3>"]
+    r, lab, mem = k["reconstruction"], k["labels"], k["membership"]
+    rows = []
+    if r:
+        lp = _fmt(r.get("lpips"), ".3f") if r.get("lpips") is not None else "unavailable (why: at the top)"
+        rows.append(f"<tr><td>reconstruction</td><td>{r['attack']}, round {r['round']}</td><td>PSNR {_fmt(r.get('psnr'), '.2f', ' dB')}, "
+                    f"SSIM {_fmt(r.get('ssim'), '.3f')}, LPIPS {lp}</td><td>{html.escape(r['threat_model_text'])}</td></tr>")  # fmt: skip
+    if lab:
+        rows.append(f"<tr><td>labels</td><td>{lab['attack']}, round {lab['round']}</td><td>class recall {_fmt(lab.get('recall'), '.2f')}, "
+                    f"precision {_fmt(lab.get('precision'), '.2f')}, histogram L1 {_fmt(lab.get('l1'), '.2f')}</td>"
+                    f"<td>{html.escape(lab['threat_model_text'])}</td></tr>")  # fmt: skip
+    if mem:
+        rows.append(f"<tr><td>membership</td><td>{mem['attack']}, round {mem['round']}</td><td>AUC {_fmt(mem.get('auc'), '.3f')}, "
+                    f"TPR at 1 % FPR {_fmt(mem.get('tpr_at_1pct_fpr'), '.3f')}, advantage {_fmt(mem.get('advantage'), '.3f')}</td>"
+                    f"<td>{html.escape(mem['threat_model_text'])}</td></tr>")  # fmt: skip
+    if rows:
+        parts.append("<table><tr><th>attack family</th><th>strongest attack</th><th>result</th><th>threat model it assumes</th></tr>"
+                     + "".join(rows) + "</table>")  # fmt: skip
+    else:
+        parts.append("<p class=note>No attack gave a result on this kind (reasons below).</p>")
+    for best in (r, lab, mem):
+        for w in (best or {}).get("warnings", []):
+            parts.append(f"<p class=warn>Warning: {html.escape(w)}</p>")
+    if k["comparison"]:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(c)}</li>" for c in k["comparison"]) + "</ul>")
+    if r and r.get("folder"):
+        parts.append(_img(Path(r["folder"]) / "gallery.png", "best reconstruction: ground truth above reconstructions"))
+    if lab and lab.get("folder"):
+        parts.append(_img(Path(lab["folder"]) / "labels.png", "label inference per client"))
+    if mem and mem.get("folder"):
+        parts.append(_img(Path(mem["folder"]) / "roc.png", "membership inference ROC"))
+    if k["results"]:
+        parts.append("<details><summary>every result</summary><table><tr><th>attack</th><th>round</th><th>metrics</th><th>seconds</th></tr>"
+                     + "".join(f"<tr><td>{x['attack']}</td><td class=n>{x['round']}</td><td>"
+                               + ", ".join(f"{m} {_fmt(v, '.3f')}" for m, v in x["metrics"].items()) + f"</td><td class=n>{x['seconds']}</td></tr>"
+                               for x in k["results"]) + "</table></details>")  # fmt: skip
+    if k["not_applicable"]:
+        seen: dict[tuple[str, str], list[Any]] = {}
+        for na in k["not_applicable"]:
+            seen.setdefault((na["attack"], na["reason"]), []).append(na)
+        items = []
+        for (attack, reason), group in seen.items():
+            fix = group[0]["fix"]
+            items.append(f"<li><b>{html.escape(attack)}</b> does not apply: {html.escape(reason)}"
+                         + (f" <i>To enable it: {html.escape(fix)}</i>" if fix else "") + "</li>")  # fmt: skip
+        parts.append("<details><summary>attacks that do not apply, and why</summary><ul>" + "".join(items) + "</ul></details>")
+    return "\n".join(parts)
+
+
+def render_html(report: dict[str, Any], figure: Path) -> str:
+    entries = report["methods"]
+    prof = report["profile"]
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>privfl audit: {html.escape(report['subject'])}</title><style>{_CSS}</style></head><body>",
+             f"<h1>Leakage audit of {html.escape(report['subject'])}</h1>",
+             f"<p class=note>privfl {html.escape(report['privfl_version'])}, profile <b>{html.escape(prof['name'])}</b> "
+             f"({html.escape(prof['description'])}), seed {report['seed']}, {report['seconds']:.0f} s, {html.escape(report['created'])}. "
+             "Reconstruction PSNR is per image on [0, 1], then averaged; membership AUC 0.5 is chance; class recall is the share "
+             "of a client's classes an attacker names. Every number below assumes the threat model printed beside it.</p>",
+             *([f"<p class=note>{html.escape(lpips)}</p>"] if (lpips := _lpips_note(entries)) else []),
+             "<h2>Summary</h2>", _headline_table(entries), _img(figure, "privacy-utility figure")]  # fmt: skip
+    for e in entries:
+        parts.append(f"<h2>{html.escape(e['label'])} <small>({e['role']})</small></h2>")
+        if e["run"]:
+            parts.append(f"<p class=note>run: {html.escape(e['run'])}</p>")
+        if not e["kinds"]:
+            parts.append("<p>This method sends nothing: no attack on messages applies.</p>")
+        for k in e["kinds"]:
+            parts.append(_kind_section(k))
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_audit(out: Path, subjects: list[Subject], profile: Profile, *, seconds: float, seed: int) -> tuple[dict[str, Any], Path, Path]:
+    """report.json, privacy_utility.png and report.html in ``out``; returns (report, html path, json path)."""
+    import privfl
+
+    entries = [method_entry(s) for s in subjects]
+    compare(entries)
+    figure = privacy_utility_figure(out / "privacy_utility.png", entries)
+    report = {
+        "schema": SCHEMA_VERSION, "privfl_version": privfl.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "subject": subjects[0].method,
+        "profile": {"name": profile.name, "description": profile.description, "train": profile.train,
+                    "attack_clients": profile.attack_clients, "attack_options": profile.attack_options},
+        "seed": seed, "seconds": round(seconds, 1), "figure": figure.name, "methods": entries,
+    }  # fmt: skip
+    json_path = out / "report.json"
+    atomic_write_text(json_path, json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+    html_path = out / "report.html"
+    atomic_write_text(html_path, render_html(report, figure))
+    return report, html_path, json_path
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe: non-finite numbers become null, numpy scalars plain numbers."""
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, (np.floating, float)):
+        return float(v) if np.isfinite(v) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "method_entry", "privacy_utility_figure", "render_html", "write_audit"]

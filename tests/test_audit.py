@@ -1,0 +1,183 @@
+"""The audit end to end on a method defined only in this file, its report and schema, --check, and refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attacks.audit import PROFILES, Profile, audit, audited_rounds, predict
+from attacks.audit_report import SCHEMA
+from privfl.cli import run_cli
+from tests.conftest import ROOT
+
+#: a profile small enough for the default suite: two rounds on 600 samples, one client attacked, few steps
+TINY = Profile(
+    "tiny",
+    "the test suite's: 600 samples, 2 rounds, 1 client, a few steps",
+    {"subsample": 600, "rounds": 2, "partition": "dir", "alpha": 0.3, "min_samples": 8, "batch_size": 32, "model_group": "homo-cnn4"},
+    1,
+    {"invert": {"steps": 2, "input_depth": 4}, "dlg": {"steps": 1, "lbfgs_max_iter": 2}, "idlg": {"steps": 1, "lbfgs_max_iter": 2},
+     "ig": {"steps": 2}, "mia-loss": {"queries": 40}, "mia-lira": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1}},
+)  # fmt: skip
+
+METHOD = '''
+import torch
+from privfl.capture import Message
+from privfl.methods.base import GlobalModelServer, class_prototypes, module_tensors
+
+
+class ProtoAvg(GlobalModelServer):
+    """FedAvg whose clients also upload their class prototypes (a method written by a user, in a test)."""
+
+    sends = {"model": "up/down", "proto": "up"}
+    paper = "a test method"
+
+    def run_round(self, rnd, selected):
+        acc, total = {}, 0.0
+        for c in selected:
+            self.local_train(rnd, c)
+            n = len(c.train_idx)
+            got = self.send(Message(rnd, c.name, "server", "model", module_tensors(c.model), {"num_samples": n}), {"indices": c.train_idx.cpu()})
+            reps, labels = self.representations(c)
+            cls, protos, counts = class_prototypes(reps, labels, self.env.num_classes)
+            self.send(Message(rnd, c.name, "server", "proto", {"protos": protos, "classes": cls, "counts": counts}),
+                      {"indices": c.train_idx.cpu()})
+            total += n
+            for k, v in got.tensors.items():
+                acc[k] = acc.get(k, 0) + v.double() * n
+        ref = self.global_model.state_dict()
+        self.global_model.load_state_dict({k: (v / total).to(ref[k].dtype) for k, v in acc.items()})
+        self.broadcast(rnd)
+        return {}
+
+
+class NoCount(ProtoAvg):
+    """The same upload without its sample count: refused at the first send."""
+
+    def run_round(self, rnd, selected):
+        c = selected[0]
+        self.send(Message(rnd, c.name, "server", "model", module_tensors(c.model)))
+        return {}
+'''
+
+
+@pytest.fixture(scope="module")
+def user_method(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("usermethod")
+    (folder / "audit_user_method.py").write_text(METHOD)
+    sys.path.insert(0, str(folder))
+    yield "audit_user_method:ProtoAvg"
+    sys.path.remove(str(folder))
+
+
+@pytest.fixture(scope="module")
+def audited(user_method, tmp_path_factory):
+    from tests.conftest import FMNIST
+
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    out = tmp_path_factory.mktemp("audit") / "report"
+    lines: list[str] = []
+    result = audit(user_method, profile=TINY, compare=["local"], out=out, device="cpu", progress=False, log=lines.append)
+    return result, lines
+
+
+def test_the_audit_attacks_every_kind_and_compares_with_the_references(audited):
+    result, lines = audited
+    report = result.report
+    audited_entry, local = report["methods"]
+    assert (audited_entry["role"], local["role"], local["method"]) == ("audited", "reference", "local")
+    kinds = {k["kind"]: k for k in audited_entry["kinds"]}
+    assert set(kinds) == {"model", "proto"}
+    model, proto = kinds["model"], kinds["proto"]
+    assert model["reconstruction"]["psnr"] is not None and model["reconstruction"]["attack"] in ("dlg", "idlg", "ig")
+    assert model["membership"] is not None and 0.0 <= model["membership"]["auc"] <= 1.0
+    assert proto["labels"]["recall"] == 1.0 and proto["labels"]["l1"] < 1e-6  # classes and counts travel in the clear
+    assert {r["round"] for r in model["results"]} == set(audited_rounds(2))
+    # prototypes cannot be inverted without the extractor: said, with the declaration that would change it
+    invert = [n for n in proto["not_applicable"] if n["attack"] == "invert"]
+    assert invert and "extractor" in invert[0]["reason"] and "exposes = ('extractor',)" in invert[0]["fix"]
+    assert local["kinds"] == [] and any("local sends nothing" in c for k in audited_entry["kinds"] for c in k["comparison"])
+    assert audited_entry["accuracy"]["final"] is not None and audited_entry["communication"]["upload_bytes"] > 0
+    assert any("training" in line for line in lines)  # progress was reported
+
+
+def test_report_json_validates_against_its_schema_and_the_html_stands_alone(audited):
+    import jsonschema
+
+    result, _ = audited
+    saved = json.loads(result.json.read_text())
+    jsonschema.validate(saved, SCHEMA)
+    assert saved["schema"] == "privfl-audit/1" and saved["profile"]["name"] == "tiny"
+    bad = {**saved, "methods": [{**saved["methods"][0], "role": "spectator"}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SCHEMA)
+    page = result.html.read_text()
+    for section in ("<h2>Summary</h2>", "audit_user_method:ProtoAvg <small>(audited)", "local <small>(reference)",
+                    "threat model it assumes", "attacks that do not apply", "To enable it:"):  # fmt: skip
+        assert section in page, section
+    assert page.count("data:image/png;base64,") >= 3  # figure, a gallery, a ROC or label grid: embedded, no links
+    assert 'src="http' not in page and 'src="/' not in page
+    assert (result.folder / "privacy_utility.png").stat().st_size > 0
+
+
+def test_profiles_and_predictions():
+    from privfl.methods import METHODS
+
+    assert set(PROFILES) == {"quick", "standard", "paper"}
+    assert audited_rounds(20) == [0, 9, 19] and audited_rounds(1) == [0]
+    notes = dict(predict(METHODS.get("fedproto")))  # exposes its extractor: inversion applies
+    assert "invert" not in notes
+    assert "membership" in dict(predict(METHODS.get("drdfl")))  # a probe readout: no membership test of the client's classifier
+
+
+def test_references_and_model_groups():
+    from attacks.audit import model_group_for, references_for
+    from privfl.methods import METHODS
+
+    assert references_for(METHODS.get("fedre"), None, "fedre") == ["fedavg", "local", "fedproto"]
+    assert references_for(METHODS.get("fedavg"), None, "fedavg") == ["fedsgd", "local"]  # some reference sends something
+    assert references_for(METHODS.get("fedavg"), ["fedavg", "local"], "fedavg") == ["local"]
+    assert model_group_for("fedavg", {"model_group": "cpu5"}).startswith("homo-")  # one architecture for every client
+    assert model_group_for("fedre", {"model_group": "cpu5"}) == "cpu5"
+
+
+def err(capsys, argv):
+    from privfl.audit import main
+
+    code = run_cli("privfl.audit", lambda: main(argv))
+    text = capsys.readouterr().err.strip()
+    assert code == 2 and len(text.splitlines()) == 1, text
+    return text
+
+
+def test_refusals_are_one_line(user_method, tmp_path, capsys, fmnist):
+    assert "give a METHOD" in err(capsys, [])
+    assert "unknown method 'nope'" in err(capsys, ["nope", "--out", str(tmp_path / "a")])
+    assert "unknown defense" in err(capsys, [user_method, "--defense", "nodefense", "--out", str(tmp_path / "b")])
+    assert "invalid choice" not in err(capsys, [user_method, "--train", "oops", "--out", str(tmp_path / "c")])
+    text = err(capsys, ["audit_user_method:NoCount", "--out", str(tmp_path / "d"), "--train", "subsample=600", "--train", "rounds=1",
+                        "--train", "model_group=homo-cnn4", "--no-progress"])  # fmt: skip
+    assert "missing meta 'num_samples'" in text
+    assert not (tmp_path / "d").exists()  # the failed run is gone, and the report folder this audit created with it
+
+
+def test_check_names_what_applies_and_the_fix(user_method, capsys, fmnist):
+    from privfl.audit import main
+
+    assert main([user_method, "--check", "--train", "model_group=homo-cnn4"]) == 0
+    out = capsys.readouterr().out
+    assert "it sends model (up/down), proto (up)" in out and "before training: proto cannot be inverted" in out
+    assert "dlg                applies to model" in out and "to enable it: declare exposes = ('extractor',)" in out
+
+
+def test_schema_is_printed_and_piping_into_head_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -m privfl.audit --schema | head -n 2", shell=True, cwd=ROOT, capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("{") and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(json.dumps(SCHEMA))["properties"]["schema"]["const"] == "privfl-audit/1"
+    assert Path(ROOT / "docs" / "audit.md").is_file()
