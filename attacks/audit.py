@@ -256,6 +256,9 @@ def attack_run(
                     )
                 except AttackNotApplicable as exc:
                     outcome.reason, outcome.fix = str(exc), exc.fix
+                except PrivflError as exc:  # e.g. a message sent without its ground truth: this result is missing, the audit goes on
+                    outcome.reason = f"failed: {exc}"
+                    log(f"  {subject.label}: {name} on {kind} r{rnd} failed: {exc}")
                 outcome.seconds = time.perf_counter() - start
                 subject.outcomes.append(outcome)
                 if outcome.report is not None:

@@ -24,6 +24,7 @@ import torch
 
 from attacks.base import Reconstruction, Target
 from attacks.metrics import best_match, hungarian_match, mse, score_images, ssim, summarize
+from privfl.errors import CaptureError
 from privfl.kinds import Family
 from privfl.run import GroundTruth
 
@@ -38,6 +39,17 @@ class Candidates:
     description: str = ""
 
 
+def sample_ids(t: dict[str, torch.Tensor], seq: int) -> torch.Tensor:
+    """The ids of the samples behind message ``seq``, or a one-line error naming the fix (the sender
+    passed no ``truth={"indices": ...}``), instead of a KeyError deep in scoring."""
+    if "indices" not in t:
+        raise CaptureError(
+            f"message {seq} was sent without the ids of the samples behind it, so its reconstruction cannot be scored: "
+            "send it with truth={'indices': sample ids} (self.send(Message(...), truth))"
+        )
+    return t["indices"]
+
+
 def candidates(truth: GroundTruth, target: Target) -> Candidates:
     """The images behind ``target`` (see the module docstring)."""
     family = target.family
@@ -45,12 +57,13 @@ def candidates(truth: GroundTruth, target: Target) -> Candidates:
     t = truth.message_truth(seq) if seq is not None and truth.has_message(seq) else {}
     if family is Family.PER_SAMPLE_REPRESENTATION:
         assert target.row is not None  # a per-sample target is one row of its message
-        idx = t["indices"][target.row : target.row + 1]
+        idx = sample_ids(t, cast(int, seq))[target.row : target.row + 1]
         return Candidates(truth.images(idx), torch.ones(1), 0, "its own image")
     if "weights" in t:
         keep = t["weights"] > 0
         w = t["weights"][keep].float()
-        return Candidates(truth.images(t["indices"][keep]), w / w.sum(), None, f"the client's {int(keep.sum())} training images, RE-weighted")
+        idx = sample_ids(t, cast(int, seq))[keep]
+        return Candidates(truth.images(idx), w / w.sum(), None, f"the client's {int(keep.sum())} training images, RE-weighted")
     if target.class_id is not None:
         everyone = target.record is not None and target.record["sender"] == "server"
         pool = torch.cat(list(truth.train.values())) if everyone else truth.client_train(target.client)
@@ -177,7 +190,7 @@ class BatchScorer:
             seq = r.target.message_seq
             assert seq is not None  # gradients and parameters are attacked in captured messages only
             t = truth.message_truth(seq)
-            cand = truth.images(t["indices"])
+            cand = truth.images(sample_ids(t, seq))
             images = r.images
             assert images is not None  # image attacks only (scorer_for routes label-only attacks elsewhere)
             batch = int(r.notes.get("batch_size", len(images)))

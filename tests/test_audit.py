@@ -181,3 +181,15 @@ def test_schema_is_printed_and_piping_into_head_ends_quietly():
     assert done.returncode == 0 and done.stdout.startswith("{") and "Traceback" not in done.stderr, done.stderr
     assert json.loads(json.dumps(SCHEMA))["properties"]["schema"]["const"] == "privfl-audit/1"
     assert Path(ROOT / "docs" / "audit.md").is_file()
+
+
+def test_a_message_without_its_sample_ids_is_one_line_not_a_key_error():
+    import torch
+
+    from attacks.scoring import sample_ids
+    from privfl.errors import CaptureError
+
+    assert torch.equal(sample_ids({"indices": torch.tensor([3, 1])}, 7), torch.tensor([3, 1]))
+    with pytest.raises(CaptureError, match=r"message 7 was sent without the ids .* truth=\{'indices'") as info:
+        sample_ids({"weights": torch.ones(2)}, 7)
+    assert "\n" not in str(info.value)
