@@ -397,10 +397,17 @@ def dir_size(path: Path) -> int:
 
 
 def new_run_dir(cfg: TrainConfig) -> Path:
-    name = cfg.run_name or f"{cfg.method.replace(':', '.')}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+    """The folder a new run will be created in: one plain name inside ``--out-dir`` that does not
+    exist yet. A run that fails while setting up is removed with ``rmtree``, so it must be a folder
+    this invocation creates: never ``..``, a nested path, or a folder that is already there."""
+    name = cfg.run_name or f"{cfg.method.replace(':', '.').replace('/', '.')}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+    if name in ("", ".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise ConfigError(f"--run-name must be a plain folder name (no '/', not starting with '.'), got {name!r}")
     path = Path(cfg.out_dir) / name
     if (path / "config.json").exists():
         raise ConfigError(f"run directory {path} already exists (choose another --run-name, or --resume it)")
+    if path.exists() or path.is_symlink():
+        raise ConfigError(f"{path} already exists and is not a run: choose another --run-name (privfl never writes into it)")
     return path
 
 

@@ -336,3 +336,21 @@ def test_bad_run_options_are_refused_before_the_output_folder_exists(tmp_path, c
     err = cli_error(capsys, train_main, ["fedavg", "--rounds", "2", "--out-dir", str(out), *bad])
     assert "\n" not in err.strip() and ("--knowledge-rounds" in err or "partition scheme" in err)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["..", "../outside", "a/b", ".hidden"])
+def test_a_run_name_that_is_not_a_plain_folder_name_is_refused(tmp_path, capsys, name):
+    out = tmp_path / "runs"
+    err = cli_error(capsys, train_main, ["fedavg", "--rounds", "1", "--out-dir", str(out), "--run-name", name])
+    assert "--run-name must be a plain folder name" in err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_existing_folder_that_is_not_a_run_is_never_written_into_or_removed(tmp_path, capsys):
+    """A failed setup removes the run folder, so the run folder must be one this invocation creates."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file\n")
+    err = cli_error(capsys, train_main, ["fedavg", "--partition", "nope", "--out-dir", str(tmp_path), "--run-name", "mine"])
+    assert "already exists and is not a run" in err
+    assert (mine / "notes.txt").read_text() == "a user's file\n"
