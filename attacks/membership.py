@@ -183,6 +183,16 @@ class MembershipAttack(Attack):
         raise NotImplementedError
 
     # -------------------------------------------------- shared
+    #: whose messages carry the target model: ``clients`` (uploads and peer messages; a server's broadcast
+    #: holds no one client's training) or ``server`` (the head broadcast to the client whose extractor is stored)
+    reads_from = "clients"
+
+    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        records = super().messages_of(view, kind, rnd, clients)
+        if self.reads_from == "server":
+            return [r for r in records if r["sender"] == "server"]
+        return [r for r in records if r["direction"] in ("up", "peer")]
+
     @staticmethod
     def handed(target: Target, what: str) -> Queries:
         got = target.payload.get(what)
@@ -212,10 +222,6 @@ class CapturedModelMembership(MembershipAttack):
     """Path (a): the sender's declared module after local training, rebuilt from its upload."""
 
     consumes = frozenset({str(Family.PARAMETERS), str(Family.GRADIENT)})
-
-    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Only what clients send (uploads and peer messages): a server's broadcast has no one client's training."""
-        return [r for r in super().messages_of(view, kind, rnd, clients) if r["direction"] in ("up", "peer")]
 
     def plan(self, view: AttackerView, selection: Selection | None = None) -> Plan:
         plan = super().plan(view, selection)
@@ -300,10 +306,7 @@ class ExtractorHeadMembership(MembershipAttack):
 
     consumes = frozenset({"head"})
     threat_model = "curious-server-extractor-membership"
-
-    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """The server's broadcasts to clients (what the client's extractor is completed with)."""
-        return [r for r in super().messages_of(view, kind, rnd, clients) if r["sender"] == "server"]
+    reads_from = "server"
 
     def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
         stored = {(r["client"], r["round"]) for r in view.extractor_records()}

@@ -76,10 +76,6 @@ class LogitsMIA(ShadowTraining):
     Config = LogitsMIAConfig
     config: LogitsMIAConfig
 
-    def messages_of(self, view: AttackerView, kind: str, rnd: int | None = None, clients: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Only what clients send: a server's broadcast holds no one client's training samples."""
-        return [r for r in super().messages_of(view, kind, rnd, clients) if r["direction"] in ("up", "peer")]
-
     def plan_messages(self, view: AttackerView, kind: str, rnd: int, records: list[dict[str, Any]], selection: Selection) -> list[Target]:
         """One target per message of per-sample rows (index only: the tensors' names and shapes)."""
         spec = KINDS.get(kind)
@@ -140,9 +136,9 @@ class LogitsMIA(ShadowTraining):
             opt = make_optimizer(model.parameters(), hp)
             matched: list[float] = []
             for r in range(cfg.matching_rounds):
-                reference = self.log_probs(model, queries)
-                pairs = match(torch.cdist(reference, rows), queries.y, row_labels)
-                matched.append(float(torch.cdist(reference, rows)[pairs[0], pairs[1]].mean()))
+                distances = torch.cdist(self.log_probs(model, queries), rows)
+                pairs = match(distances, queries.y, row_labels)
+                matched.append(float(distances[pairs[0], pairs[1]].mean()))
                 last = distil(
                     model, opt, queries.x[pairs[0]], F.softmax(logits[pairs[1]], dim=1), cfg.distill_epochs, hp["batch_size"], gen, self.device
                 )
