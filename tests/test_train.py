@@ -83,18 +83,18 @@ def test_fedre_capture_counts_and_three_way_split(tmp_path):
 
 
 def test_fedre_broadcast_counts_cifar100_and_tinyimagenet_d2048(tmp_path):
-    write_cifar100(tmp_path / "c100")
-    run = train(tmp_path, "fedre", "--dataset", "cifar100", "--data-root", str(tmp_path / "c100"), *QUICK, name="c100")
+    write_cifar100(tmp_path / "data-c100")  # the data lives apart from the runs: a run never writes into a folder it did not create
+    run = train(tmp_path, "fedre", "--dataset", "cifar100", "--data-root", str(tmp_path / "data-c100"), *QUICK, name="c100")
     m = metrics(run)[-1]
     assert (m["upload_scalars"], m["broadcast_scalars"]) == (5120, 513000)  # paper: 5.12e3 / 513.00e3
-    write_tinyimagenet(tmp_path / "tiny")
+    write_tinyimagenet(tmp_path / "data-tiny")
     run = train(
         tmp_path,
         "fedre",
         "--dataset",
         "tinyimagenet",
         "--data-root",
-        str(tmp_path / "tiny"),
+        str(tmp_path / "data-tiny"),
         "--rep-dim",
         "2048",
         *QUICK,
