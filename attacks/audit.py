@@ -378,7 +378,7 @@ def audit(
             values["model_group"] = group
     else:
         raise ConfigError("audit a method (METHOD or pkg.mod:Class) or an existing run (--run DIR)")
-    method_cls = resolve_method(method_name)
+    method_cls = resolve_method(method_name, source=None if method is not None else f"{opened.path if opened else ''}/config.json")
     check_method_class(method_cls)
     for note in predict(method_cls):
         log(f"note: {note[1]}")

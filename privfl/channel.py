@@ -91,6 +91,8 @@ class Channel:
             "aux": list(msg.aux),
             "meta": msg.meta,
         }
+        if truth is not None and self.truth is not None:
+            record["truth"] = True  # verify checks that the ground-truth store holds it
         if self.capture is not None:
             record = self.capture.append(record, msg.tensors)
         else:

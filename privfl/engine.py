@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from privfl.capture.store import TensorStore, atomic_write_text
 from privfl.channel import Channel, summarize_comm
@@ -31,8 +32,8 @@ from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
 from privfl.methods.base import EXPOSURES
 from privfl.methods.trainer import LocalTrainer
-from privfl.run import Run
-from privfl.runs import latest_target, mark_latest, unmark_latest
+from privfl.run import Run, load_checkpoint_state, load_partition, read_checkpoint
+from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
 #: per-round communication columns of metrics.csv, averaged per round in summary.json
@@ -52,14 +53,20 @@ THREAT_MODELS = EXPOSURES
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
+    """``auto`` (the GPU when present), ``cpu``, ``cuda`` or ``cuda:N``; anything else (``meta``, ``mps``,
+    a GPU that is not there) is a one-line :class:`ConfigError`."""
+    text = str(name).strip().lower()
+    if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name} requested but no CUDA GPU is available (use --device auto or cpu)")
+    head, colon, index = text.partition(":")
+    if head not in ("cpu", "cuda") or (colon and (head == "cpu" or not index.isdigit())):
+        raise ConfigError(f"unknown device {name!r}; accepted: auto, cpu, cuda, cuda:N")
+    device = torch.device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name} requested but no CUDA GPU is available (use --device auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name} requested but only {torch.cuda.device_count()} CUDA GPU(s) exist (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -80,7 +87,9 @@ class TrainCallback:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = ()):
+    def __init__(
+        self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = (), claim: RunClaim | None = None
+    ):
         from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
         from privfl.data.partition import PARTITIONS, ClientSplit
         from privfl.models import assign_archs
@@ -97,6 +106,12 @@ class Trainer:
         archs = assign_archs(cfg.model_group, cfg.num_clients)  # checks the group name early
         PARTITIONS.get(cfg.partition)  # and the partition scheme, before the run folder exists
         knowledge_rounds = parse_rounds(cfg.knowledge_rounds, cfg.rounds)
+        opts = self.method_cls.Options(**cfg.options)
+        self.topology = self.method_cls.build_topology(cfg, opts)
+        if self.topology.kind == "ring" and cfg.join_ratio != 1.0:
+            raise ConfigError(f"{cfg.method} runs on a ring: every live node takes part, so --join-ratio must be 1")
+        for rnd in range(cfg.rounds):  # e.g. listed failures that take every ring node down in some round
+            self.topology.alive(rnd)
 
         dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
         self.dataset = dataset
@@ -107,10 +122,10 @@ class Trainer:
             images, labels = images[subset], labels[subset]
         self.labels = labels
 
-        run_dir.mkdir(parents=True, exist_ok=True)
         truth_dir = run_dir / "truth"
-        if resume:
-            saved = load_file(str(truth_dir / "partition.safetensors"))
+        if resume:  # nothing is read before the run is ours: another process may be writing it
+            self.claim = self._claim(run_dir, claim, resume)
+            saved = load_partition(run_dir)
             saved.pop("subset", None)
             split = ClientSplit.from_tensors(saved)
         else:
@@ -127,11 +142,14 @@ class Trainer:
             )
             split = split_train_test(parts, cfg.train_fraction, cfg.seed)
         self.split = split
+        if not resume:  # everything checkable is checked: create the folder, exclusively
+            self.claim = self._claim(run_dir, claim, resume)
 
         # the three stores, kept apart (DESIGN.md): messages / attacker knowledge / ground truth
-        self.capture = TensorStore(run_dir / "capture", "capture", create=True) if cfg.capture else None
-        self.knowledge_store = TensorStore(run_dir / "knowledge", "knowledge", create=True) if cfg.capture else None
-        self.truth = TensorStore(truth_dir, "truth", create=True) if cfg.capture else None
+        # (a resumed run must find them: recreating a deleted store would hide the loss)
+        self.capture = TensorStore(run_dir / "capture", "capture", create=not resume) if cfg.capture else None
+        self.knowledge_store = TensorStore(run_dir / "knowledge", "knowledge", create=not resume) if cfg.capture else None
+        self.truth = TensorStore(truth_dir, "truth", create=not resume) if cfg.capture else None
         truth_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
             tensors = split.to_tensors()
@@ -160,10 +178,6 @@ class Trainer:
             )
 
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
-        opts = self.method_cls.Options(**cfg.options)
-        self.topology = self.method_cls.build_topology(cfg, opts)
-        if self.topology.kind == "ring" and cfg.join_ratio != 1.0:
-            raise ConfigError(f"{cfg.method} runs on a ring: every live node takes part, so --join-ratio must be 1")
         clients = []
         for k, arch in enumerate(archs):
             seed_global(cfg.seed, "init", k)
@@ -192,6 +206,15 @@ class Trainer:
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
+
+    @staticmethod
+    def _claim(run_dir: Path, claim: RunClaim | None, resume: bool) -> RunClaim:
+        if claim is None:  # a Trainer built directly (tests, benchmarks) claims its folder itself
+            claim = RunClaim(run_dir)
+            claim.acquire(create=not resume and not run_dir.exists())
+        else:
+            claim.acquire(create=not resume)
+        return claim
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, rnd: int) -> None:
@@ -223,14 +246,12 @@ class Trainer:
                 old.unlink()
 
     def load_checkpoint(self) -> None:
-        ckpt = self.run_dir / "checkpoint"
-        pointer = ckpt / "checkpoint.json"
-        if not pointer.is_file():
+        info = read_checkpoint(self.run_dir)
+        if info is None:
             self.start_round = 0  # killed before the first round completed: start over
             self._truncate_stores(-1)
             return
-        info = json.loads(pointer.read_text())
-        state = load_file(str(ckpt / info["file"]), device=str(self.device))
+        state = load_checkpoint_state(self.run_dir, info, str(self.device))
         for c in self.clients:
             prefix = f"{c.name}."
             c.model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
@@ -242,16 +263,21 @@ class Trainer:
         self._truncate_stores(info["round"])
 
     def _truncate_stores(self, last_round: int) -> None:
-        """Drop what a killed round wrote, so the resumed round writes it again, identically."""
+        """Drop what a killed round wrote, so the resumed round writes it again, identically.
+
+        Only what a kill leaves is repaired (a partial last line, the interrupted round's records);
+        the repairs are listed in ``self.repairs``. Any other damage refuses the resume (CaptureError)."""
+        self.repairs: list[str] = []
         capture_kept: set[int] = set()
         if self.capture is not None:
-            self.capture.truncate(lambda r: r["round"] <= last_round)
-            capture_kept = {r["seq"] for r in self.capture.records()}
-            self.channel._seq = len(capture_kept)
+            n, repairs = self.capture.truncate(lambda r: r["round"] <= last_round)
+            self.repairs += repairs
+            capture_kept = set(range(n))
+            self.channel._seq = n
         if self.truth is not None:
-            self.truth.truncate(lambda r: r["message_seq"] in capture_kept)
+            self.repairs += self.truth.truncate(lambda r: r["message_seq"] in capture_kept)[1]
         if self.knowledge_store is not None:
-            self.knowledge_store.truncate(lambda r: r["round"] <= last_round)
+            self.repairs += self.knowledge_store.truncate(lambda r: r["round"] <= last_round)[1]
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -303,6 +329,8 @@ class Trainer:
             extra = self.method.run_round(rnd, selected)
             records = setup_records + self.channel.end_round()
             setup_records = []
+            if self.knowledge_store is not None:
+                self.knowledge_store.flush()
             ev = self.evaluate()
             comm = summarize_comm(r for r in records if r.get("meta", {}).get("phase") != "setup")
             entry = {
@@ -444,39 +472,58 @@ def write_run_info(trainer: Trainer) -> None:
 
 
 def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
-    """Train ``cfg`` into a new run directory; returns the finished :class:`~privfl.run.Run`."""
+    """Train ``cfg`` into a new run directory; returns the finished :class:`~privfl.run.Run`.
+
+    The folder is created by this call, exclusively (:class:`~privfl.runs.RunClaim`), after every
+    check that needs no folder; only a folder this call created is ever removed."""
     run_dir = new_run_dir(cfg)
+    claim = RunClaim(run_dir)
     try:
-        trainer = Trainer(cfg, run_dir, callbacks=callbacks)
+        trainer = Trainer(cfg, run_dir, callbacks=callbacks, claim=claim)
     except BaseException:
-        # bad input found while setting up (missing data, impossible partition): leave nothing behind
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    save_config(cfg, run_dir)
-    write_run_info(trainer)
-    previous_latest = latest_target(run_dir.parent)
-    mark_latest(run_dir)
-    try:
-        trainer.run()
-    except PrivflError:
-        # a method that breaks its contract (a malformed message) fails in its first round: nothing
-        # worth resuming exists yet, so the run this call created goes, and so does `latest` pointing at it
-        if not (run_dir / "checkpoint" / "checkpoint.json").exists():
-            unmark_latest(run_dir, previous_latest)
+        # bad input found while setting up (impossible partition, ...): leave nothing behind
+        claim.release()
+        if claim.created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    try:
+        save_config(cfg, run_dir)
+        write_run_info(trainer)
+        previous_latest = latest_target(run_dir.parent)
+        mark_latest(run_dir)
+        try:
+            trainer.run()
+        except PrivflError:
+            # a method that breaks its contract (a malformed message) fails in its first round: nothing
+            # worth resuming exists yet, so the run this call created goes, and so does `latest` pointing at it
+            if not (run_dir / "checkpoint" / "checkpoint.json").exists():
+                unmark_latest(run_dir, previous_latest)
+                claim.release()
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+    finally:
+        claim.release()
     return Run(run_dir)
 
 
 def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
-    """Continue a killed run from its last complete round; returns the finished :class:`~privfl.run.Run`."""
-    trainer = Trainer(cfg, run_dir, resume=True, callbacks=callbacks)
-    trainer.load_checkpoint()
-    mark_latest(run_dir)
-    if trainer.start_round >= cfg.rounds:
-        trainer.write_summary()
-    else:
-        trainer.run()
+    """Continue a killed run from its last complete round; returns the finished :class:`~privfl.run.Run`.
+
+    What the kill left half-done is repaired and reported on stderr; any other damage to the run's
+    stores refuses the resume with a one-line error (run ``python -m privfl.capture verify``)."""
+    claim = RunClaim(run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir, resume=True, callbacks=callbacks, claim=claim)
+        trainer.load_checkpoint()
+        for repair in trainer.repairs:
+            print(f"privfl: resume: {repair}", file=sys.stderr)
+        mark_latest(run_dir)
+        if trainer.start_round >= cfg.rounds:
+            trainer.write_summary()
+        else:
+            trainer.run()
+    finally:
+        claim.release()
     return Run(run_dir)
 
 

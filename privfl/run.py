@@ -18,14 +18,17 @@ run's files (a user's ``pkg.mod:Class`` method is resolved only when a model mus
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
 
-from privfl.capture.store import TensorStore
+from privfl.capture.store import TensorStore, exc_line, read_contained
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
 from privfl.kinds import KINDS
 
@@ -35,13 +38,72 @@ if TYPE_CHECKING:
     from privfl.methods.base import FLMethod, LeakageContext, ModelRequest
 
 
+_MAX_JSON_FILE = 1 << 28  # 256 MiB: far above any real config, metrics or summary file
+
+
 def _read_json(path: Path, what: str) -> Any:
+    """A JSON file of a run: never through a link or outside the run, one-line errors."""
+    if not path.exists() and not path.is_symlink():
+        raise CaptureError(f"{path.parent} is not a readable privfl run: {what} is missing")
+    data = read_contained(path.parent, path, what, limit=_MAX_JSON_FILE)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CaptureError(f"{path.parent} is not a readable privfl run: {what} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CaptureError(f"{path} is not valid JSON ({exc})") from None
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CaptureError(f"{path} is not valid JSON ({str(exc)[:80]})") from None
+
+
+def read_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """``checkpoint/checkpoint.json`` checked (None when the run has not finished a round yet): the
+    round, the state file's name (a plain ``state-rNNNNN.safetensors`` in ``checkpoint/``, never a
+    path elsewhere), the metrics history and the defenses' states."""
+    path = run_dir / "checkpoint" / "checkpoint.json"
+    if not path.exists() and not path.is_symlink():
+        return None
+    info = _read_json(path, "checkpoint/checkpoint.json")
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("round"), int)
+        or isinstance(info["round"], bool)
+        or info["round"] < 0
+        or not isinstance(info.get("file"), str)
+        or not re.fullmatch(r"state-r\d{5,}\.safetensors", info["file"])
+        or not isinstance(info.get("history"), list)
+        or not all(isinstance(h, dict) for h in info["history"])
+        or not isinstance(info.get("defenses", []), list)
+    ):
+        raise CaptureError(f"{path} is not a privfl checkpoint pointer (round, file state-rNNNNN.safetensors, history)")
+    return info
+
+
+def load_checkpoint_state(run_dir: Path, info: dict[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint ``info`` names (safetensors: never unpickled, never through a link)."""
+    path = run_dir / "checkpoint" / str(info["file"])
+    data = read_contained(run_dir, path, "checkpoint")
+    try:
+        state = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
+        raise CaptureError(f"checkpoint {path} is not a valid safetensors file ({exc_line(exc)})") from None
+    return {k: v.to(device) for k, v in state.items()}
+
+
+def load_partition(run_dir: Path) -> dict[str, torch.Tensor]:
+    """``truth/partition.safetensors``: the client splits (and the subsample) as 1-D index tensors.
+
+    Checked here so that a damaged or foreign file is one line, never a crash further on."""
+    path = run_dir / "truth" / "partition.safetensors"
+    data = read_contained(run_dir, path, "partition")
+    try:
+        part = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
+        raise CaptureError(f"{path} is not a valid safetensors file ({exc_line(exc)})") from None
+    for key, t in part.items():
+        if not re.fullmatch(r"subset|(train|test)_\d{1,7}", key):
+            raise CaptureError(f"{path}: unexpected tensor {key[:40]!r} (expected train_K, test_K, subset)")
+        if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+            raise CaptureError(f"{path}: {key} must be a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.numel() and int(t.min()) < 0:
+            raise CaptureError(f"{path}: {key} holds negative sample indices")
+    return part
 
 
 class Run:
@@ -92,7 +154,7 @@ class Run:
         """The method's class, resolved by name (a registered method, or an importable ``pkg.mod:Class``)."""
         from privfl.methods import resolve_method
 
-        return resolve_method(self.method)
+        return resolve_method(self.method, source=f"{self.path}/config.json")
 
     @cached_property
     def cfg(self) -> TrainConfig:
@@ -105,18 +167,25 @@ class Run:
     def metrics(self) -> list[dict[str, Any]]:
         """Per-round metrics (``metrics.jsonl``), empty before the first round completes."""
         path = self.path / "metrics.jsonl"
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return []
+        data = read_contained(self.path, path, "metrics", limit=_MAX_JSON_FILE)
         try:
-            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise CaptureError(f"{path} is not valid JSON lines ({exc})") from None
+            rows = [json.loads(line) for line in data.splitlines() if line.strip()]
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise CaptureError(f"{path} is not valid JSON lines ({str(exc)[:80]})") from None
+        if not all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in rows):
+            raise CaptureError(f"{path}: every line must be a JSON object with an integer round")
+        return rows
 
     @property
     def summary(self) -> dict[str, Any]:
         """``summary.json`` (final and best accuracy, communication per round, ...); empty if unfinished."""
         path = self.path / "summary.json"
-        return _read_json(path, "summary.json") if path.exists() else {}
+        summary = _read_json(path, "summary.json") if path.exists() or path.is_symlink() else {}
+        if not isinstance(summary, dict):
+            raise CaptureError(f"{path} must hold a JSON object")
+        return summary
 
     # ------------------------------------------------------------------ stores, each opened once
     @cached_property
@@ -308,21 +377,19 @@ class GroundTruth:
 def load_pool(run: Run, data_root: str | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(dataset, images uint8, labels, partition tensors) of the run's sample pool: its dataset, reduced
     to the seeded subset the run trained on when it was subsampled."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from privfl.data import load_dataset
 
     cfg = run.config
-    dataset = load_dataset(cfg["dataset"], data_root or cfg.get("data_root"), False)
-    path = run.path / "truth" / "partition.safetensors"
-    try:
-        part = load_file(str(path))
-    except (FileNotFoundError, SafetensorError, OSError) as exc:
-        raise CaptureError(f"{path} is unreadable: {exc}") from None
+    dataset = load_dataset(str(cfg.get("dataset")), data_root or cfg.get("data_root"), False)
+    part = load_partition(run.path)
     subset = part.pop("subset", None)
+    if subset is not None and subset.numel() and int(subset.max()) >= len(dataset.labels):
+        raise CaptureError(f"{run.path}/truth/partition.safetensors: the subset names samples beyond {cfg.get('dataset')}'s {len(dataset.labels)}")
     images = dataset.images if subset is None else dataset.images[subset]
     labels = dataset.labels if subset is None else dataset.labels[subset]
+    too_far = [k for k, v in part.items() if v.numel() and int(v.max()) >= len(labels)]
+    if too_far:
+        raise CaptureError(f"{run.path}/truth/partition.safetensors: {too_far[0]} names samples beyond the run's {len(labels)}")
     return dataset, images, labels, part
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import IO
 
 from privfl.errors import ConfigError
 
 LATEST = "latest"
+LOCK = ".lock"  # in a run directory: held (flock) by the one process writing the run
 
 
 def mark_latest(run_dir: Path) -> None:
@@ -76,3 +78,58 @@ def swap_in_folder(folder: Path, final: Path) -> Path:
     else:
         os.replace(folder, final)
     return final
+
+
+class RunClaim:
+    """Exclusive ownership of a run directory by the one process that writes it.
+
+    A new run's folder is created with one ``mkdir`` (atomic: of two trainings given the same
+    ``--run-name`` exactly one gets it); the writer then holds an ``flock`` on ``RUN/.lock`` until it
+    ends, so a second ``--resume`` of the same run (or a resume while the training still runs) is a
+    one-line error instead of two processes interleaving one capture. The kernel drops the lock when
+    the process dies, so a killed run can be resumed at once. ``created`` tells the caller whether
+    this invocation created the folder: only then may it remove it on failure.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.created = False
+        self._fh: IO[str] | None = None
+
+    def acquire(self, *, create: bool) -> None:
+        if create:
+            self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.run_dir)
+            except FileExistsError:
+                raise ConfigError(
+                    f"{self.run_dir} appeared while this run was setting up (another run with the same --run-name?); nothing was written"
+                ) from None
+            self.created = True
+        elif not self.run_dir.is_dir() or self.run_dir.is_symlink():
+            raise ConfigError(f"{self.run_dir} is not a run directory")
+        import fcntl
+
+        try:
+            fd = os.open(self.run_dir / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as exc:
+            raise ConfigError(f"cannot lock {self.run_dir / LOCK}: {exc.strerror}") from None
+        fh = os.fdopen(fd, "r+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = fh.read(32).strip() or "?"
+            fh.close()
+            raise ConfigError(
+                f"{self.run_dir} is being written by another privfl process (pid {holder}); wait for it, or stop it and --resume"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing drops the flock
+            self._fh = None

@@ -16,6 +16,13 @@ def msg(kind="ent_rep", rnd=0, sender="client0", receiver="server", **tensors):
     return Message(rnd, sender, receiver, kind, tensors, {"re": "rap"}, aux)
 
 
+def cap(rnd=0, sender="client0", receiver="server", kind="model", **extra):
+    """A well-formed capture record (what the channel writes), for storing tensors directly."""
+    direction = "up" if receiver == "server" else "down" if sender == "server" else "peer"
+    return {"round": rnd, "sender": sender, "receiver": receiver, "direction": direction, "kind": kind,
+            "scalars": 0, "paper_scalars": 0, "bytes": 0, "aux": [], "meta": {}, **extra}  # fmt: skip
+
+
 def test_message_checks_on_write():
     with pytest.raises(TypeError, match="kind name"):
         msg(kind="")
@@ -30,11 +37,13 @@ def test_message_checks_on_write():
 def test_store_roundtrip_dedupe_and_flipped_byte(tmp_path):
     store = TensorStore(tmp_path / "cap", "capture", create=True)
     t = {"w": torch.randn(3, 4)}
-    a = store.append({"round": 0}, t)
-    b = store.append({"round": 0}, t)
+    a = store.append(cap(), t)
+    b = store.append(cap(), t)
     assert a["sha256"] == b["sha256"] and (a["seq"], b["seq"]) == (0, 1)
     assert len(list((tmp_path / "cap" / "blobs").rglob("*.safetensors"))) == 1  # content-addressed
     assert torch.equal(store.load(a)["w"], t["w"])
+    assert any("uncommitted: 2 record(s)" in p for p in store.verify())  # written, round not completed
+    store.flush()
     assert store.verify() == []
     blob = store.blob_path(a["sha256"])
     data = bytearray(blob.read_bytes())
@@ -56,12 +65,13 @@ def test_store_refuses_foreign_folders_and_bad_index(tmp_path):
     store = TensorStore(tmp_path / "k", "knowledge", create=True)
     with pytest.raises(CaptureError, match="holds 'knowledge'"):
         TensorStore(tmp_path / "k", "capture")
-    store.append({"round": 0}, {"a": torch.ones(1)})
+    store.append({"round": 0, "client": "client0", "kind": "extractor"}, {"a": torch.ones(1)})
+    store.flush()
     with open(store.index_path, "a") as fh:
         fh.write('{"seq": 1, "round": 1')  # a run killed mid-append
     assert len(store.records()) == 1 and any("partial" in p for p in store.verify())
-    store.truncate(lambda r: True)
-    assert store.verify() == [] and store.append({"round": 1}, {"a": torch.zeros(1)})["seq"] == 1
+    assert store.truncate(lambda r: True)[0] == 1
+    assert store.verify() == [] and store.append({"round": 1, "client": "client0", "kind": "extractor"}, {"a": torch.zeros(1)})["seq"] == 1
     with open(store.index_path, "a") as fh:
         fh.write("garbage\n")
     with pytest.raises(CaptureError, match="not a valid"):

@@ -9,7 +9,6 @@ Nothing here is special to one method.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
+from privfl.run import load_checkpoint_state, read_checkpoint
 
 if TYPE_CHECKING:
     from privfl.methods.base import FLMethod
@@ -84,15 +82,13 @@ class RunModels:
         self.info: dict[str, Any] = self.run.info
         if not self.info:
             raise CaptureError(f"{self.run_dir} cannot be analysed: run.json is missing")
-        try:
-            pointer = json.loads((self.run_dir / "checkpoint" / "checkpoint.json").read_text())
-        except FileNotFoundError:
+        pointer = read_checkpoint(self.run_dir)
+        if pointer is None:
             raise CaptureError(
                 f"{self.run_dir} cannot be analysed: checkpoint/checkpoint.json is missing (a run that finished at least one round has it)"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise CaptureError(f"{self.run_dir}: unreadable JSON ({exc})") from None
-        self.round: int = int(pointer["round"])
+            )
+        self._pointer = pointer
+        self.round: int = pointer["round"]
         self._ckpt_path = self.run_dir / "checkpoint" / pointer["file"]
         self._models: dict[int, nn.Module] = {}
 
@@ -127,10 +123,7 @@ class RunModels:
     # ------------------------------------------------------------------ models
     @cached_property
     def _state(self) -> dict[str, torch.Tensor]:
-        try:
-            return load_file(str(self._ckpt_path))
-        except (FileNotFoundError, SafetensorError, OSError) as exc:
-            raise CaptureError(f"checkpoint {self._ckpt_path} is unreadable: {exc}") from None
+        return load_checkpoint_state(self.run_dir, self._pointer)
 
     def model(self, k: int) -> nn.Module:
         """Client ``k``'s model with its final checkpointed weights, eval mode, on ``self.device``.

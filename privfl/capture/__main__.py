@@ -5,7 +5,7 @@
     python -m privfl.capture list                   # messages of the latest run (kind, family, parties, shapes)
     python -m privfl.capture list --kind ent_rep --round 19
     python -m privfl.capture show 42                # one message: index record and tensor stats
-    python -m privfl.capture verify --run runs/X    # recompute every checksum (exit 1 on problems)
+    python -m privfl.capture verify --run runs/X    # check files, chain, checksums and meaning (exit 1 on damage)
     python -m privfl.capture kinds                  # the artifact-kind vocabulary: families, tensors, meta
 """
 # fmt: on
@@ -86,17 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "kinds":
         return print_kinds(args.json)
     run_dir = resolve_run(args.run, args.out_dir)
+    if args.command == "verify":  # before opening any store: verify reports a missing one, it does not fail on it
+        from privfl.verify import verify_run
+
+        report = verify_run(run_dir)
+        for line in report.lines():
+            print(line)
+        return 0 if report.ok else 1
     stores = _stores(run_dir)
-    if args.command == "verify":
-        failed = False
-        for role, store in stores.items():
-            problems = store.verify()
-            n = len(store.records(strict=False))
-            print(f"{role}: {n} records, {'OK' if not problems else f'{len(problems)} problem(s)'}")
-            for p in problems:
-                print(f"  {p}")
-            failed |= bool(problems)
-        return 1 if failed else 0
     if args.command == "stats":
         print(json.dumps(summarize_comm(stores["capture"].records()), indent=2))
         return 0

@@ -381,6 +381,8 @@ class ClientSplit:
         """Inverse of :meth:`to_tensors`; rejects gaps or stray keys instead of guessing."""
         ids = [int(k.split("_", 1)[1]) for k in tensors if k.startswith(("train_", "test_")) and k.split("_", 1)[1].isdigit()]
         n = max(ids) + 1 if ids else 0
+        if n > len(tensors):  # a client id beyond what the file holds: refuse before listing the gaps
+            raise ConfigError(f"client split tensors are malformed: client {n - 1} named, {len(tensors)} tensors held")
         expected = {f"{kind}_{i}" for kind in ("train", "test") for i in range(n)}
         missing, stray = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or stray or n == 0:

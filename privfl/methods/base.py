@@ -21,6 +21,7 @@ load-time check both go through.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -123,7 +124,7 @@ class ModelRequest:
         attacker and the analysis tools know of a model: its architecture, not its weights)."""
         from privfl.config import build_config
 
-        options_cls = getattr(resolve_method(info["method"]), "Options", None)
+        options_cls = getattr(resolve_method(info["method"], source="run.json"), "Options", None)
         cfg = build_config(config, options_cls)
         ds = info["dataset"]
         opts = options_cls(**cfg.options) if options_cls is not None else None
@@ -378,12 +379,24 @@ def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     module.load_state_dict({k: v.to(next(iter(module.state_dict().values())).device) for k, v in tensors.items()})
 
 
-def resolve_method(name: str) -> type[FLMethod]:
+def resolve_method(name: str, *, source: str | None = None) -> type[FLMethod]:
     """A registered method, or a user's ``package.module:Class`` (imported, never eval'd), checked by
-    :func:`check_method_class`."""
+    :func:`check_method_class`.
+
+    ``source`` says the name was read from a file (a run's ``config.json``/``run.json``) rather than
+    given by the user: then an import path is resolved only if its module is already imported (the
+    user named it: ``--plugin``, the command line, or an ``import``), because opening a run someone
+    sent you must never run code it names."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"method must be a name or an import path pkg.mod:Class, got {str(name)[:60]!r}")
     if ":" not in name:
         return METHODS.get(name)
     module_name, _, attr = name.partition(":")
+    if source is not None and module_name not in sys.modules:
+        raise ConfigError(
+            f"{source} names the method {name[:80]!r}, which is code; privfl does not import code named in a run's files: "
+            f"if you trust it, name it yourself with --plugin {module_name[:60]}"
+        )
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
