@@ -157,10 +157,12 @@ def compare_artifacts(
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
     every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b)."""
     from attacks.metrics import score_images, summarize
-    from attacks.runner import base_protocol, client_names, execute, resolve_attack_device, write_report
+    from attacks.runner import base_protocol, client_names, execute, output_folder, resolve_attack_device, write_report
     from attacks.scoring import Scored, score
 
     run = run if isinstance(run, Run) else Run.open(run)
+    if write and name is not None:
+        output_folder(run, name)  # a bad or foreign output folder is refused before the inversions run
     kinds = list(kinds)
     view = run.attacker
     ext = view.extractor_records()
@@ -178,6 +180,9 @@ def compare_artifacts(
     reason = attack.missing_knowledge(view)
     if reason:
         raise CaptureError(reason)
+    name = name or f"compare-{'-'.join(kinds)}-{client}-r{rnd}"
+    if write:
+        output_folder(run, name)
     truth = run.ground_truth(data_root)
     p = plan(view, truth, kinds, client, rnd, samples, seed)
     unique = list({t.key: t for ts in p.targets.values() for t in ts}.values())
@@ -236,7 +241,7 @@ def compare_artifacts(
         scored = Scored(rows, summary, sample_images, gallery_rows, [truth.dataset.class_names[c] for c in p.classes], labels, rule)
         report.folder = write_report(
             run,
-            name or f"compare-{'-'.join(kinds)}-{client}-r{rnd}",
+            name,
             scored,
             protocol,
             title=f"Representation vs prototype vs entangled representation ({run.method})",

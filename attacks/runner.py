@@ -21,6 +21,7 @@ rep/proto/ent_rep comparison (:mod:`attacks.compare`) uses :func:`execute` and :
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from attacks.scoring import Scored, scorer_for
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS
 from privfl.run import GroundTruth, Run
-from privfl.runs import swap_in_folder
+from privfl.runs import check_output_name, check_replaceable, swap_in_folder
 
 
 @dataclass
@@ -135,6 +136,8 @@ def run_attack(
     (one line, exit status 2 in the CLIs) when nothing in the selection can be attacked.
     """
     run = run if isinstance(run, Run) else Run.open(run)
+    if write and name is not None:
+        output_folder(run, name)  # a bad or foreign output folder is refused before the attack runs
     if isinstance(attack, str):
         attack = create_attack(attack, seed=seed, device=resolve_attack_device(device), **(options or {}))
     elif options:
@@ -148,6 +151,9 @@ def run_attack(
         raise ConfigError(f"run {run.name} sends several kinds {attack.name} takes ({', '.join(plan.kinds)}): choose one (kind=..., --artifact)")
     kind, rnd = plan.kinds[0], plan.rounds[-1]
     targets = plan.targets
+    name = name or f"{attack.name}-{kind}-r{rnd}"
+    if write:
+        output_folder(run, name)
     membership: dict[str, torch.Tensor] = {}
     if attack.needs.candidates or attack.needs.population:  # the membership game: the challenger hands over records
         membership = hand_over(run.ground_truth(data_root), run.dataset, targets, attack)
@@ -191,7 +197,7 @@ def run_attack(
         heading = f"{kind} r{rnd}"
         report.folder = write_report(
             run,
-            name or f"{attack.name}-{kind}-r{rnd}",
+            name,
             scored,
             protocol,
             title=f"{attack.name} on {kind}: {run.method} round {rnd}",
@@ -249,13 +255,33 @@ def write_report(
     text: str = "",
 ) -> Path:
     """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
-    ``RUN/attacks/<name>`` whole."""
-    from attacks.report import save_gallery, save_label_grid, save_roc, write_html, write_metrics
-
-    check_output_name(name)
-    final = run.path / "attacks" / name
+    ``RUN/attacks/<name>`` whole (a privfl output: it carries the marker file)."""
+    final = output_folder(run, name)
     final.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
+    try:
+        _write_result(
+            folder, run, scored, protocol, title=title, heading=heading, gallery_title=gallery_title, reconstructions=reconstructions, text=text
+        )
+        return swap_in_folder(folder, final, by=f"privfl.attack {protocol.get('attack', '')}".strip())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # gone after the swap; what is left of a failed write
+
+
+def _write_result(
+    folder: Path,
+    run: Run,
+    scored: Scored,
+    protocol: dict[str, Any],
+    *,
+    title: str,
+    heading: str,
+    gallery_title: str,
+    reconstructions: dict[str, torch.Tensor],
+    text: str,
+) -> None:
+    from attacks.report import save_gallery, save_label_grid, save_roc, write_html, write_metrics
+
     if scored.label_grid is not None:
         picture = "labels.png"
         save_label_grid(folder / picture, scored.label_grid, run.dataset["class_names"], title=gallery_title)
@@ -279,13 +305,14 @@ def write_report(
     if text:
         section["text"] = text
     write_html(folder, title, [section])
-    return swap_in_folder(folder, final)
 
 
-def check_output_name(name: str) -> None:
-    """An output folder name is one path component (no separators, not '.' or '..')."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
-        raise ConfigError(f"output name {name!r} must be a plain folder name (no '/', not starting with '.')")
+def output_folder(run: Run, name: str) -> Path:
+    """``RUN/attacks/<name>``, checked: ``name`` is one plain path component, and an existing folder of
+    that name is a privfl output (only those are replaced). One-line ConfigErrors; call it before the work."""
+    final = run.path / "attacks" / check_output_name(name)
+    check_replaceable(final)
+    return final
 
 
 @overload

@@ -21,6 +21,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -28,26 +29,40 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
+from privfl.cli import PLUGIN_HELP, ArgumentParser, load_plugins, run_cli
 from privfl.errors import ConfigError
-from privfl.runs import swap_in_folder
+from privfl.runs import check_output_name, check_replaceable, swap_in_folder
+
+RUN_HELP = "run directory or name (default: the latest); tsne: one run, as --runs"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m privfl.analyze", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(
+        prog="python -m privfl.analyze", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    # --run/--out-dir/--plugin go before or after the subcommand (after: the subparser's value wins)
+    parser.add_argument("--run", default=None, help=RUN_HELP)
+    parser.add_argument("--out-dir", default="runs", help="where run names are looked up (default: runs)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out-dir", default="runs", help="where run names are looked up (default: runs)")
+    common = ArgumentParser(add_help=False, allow_abbrev=False)
+    common.add_argument("--run", default=argparse.SUPPRESS, help=RUN_HELP)
+    common.add_argument("--out-dir", default=argparse.SUPPRESS, help="where run names are looked up (default: runs)")
     common.add_argument("--clients", help="comma list of client ids (0,3 or client0,client3)")
     common.add_argument("--seed", type=int, default=0, help="fixes which images/samples are drawn and the t-SNE")
     common.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     common.add_argument("--data-root", help="where the run's dataset lives, if not where training found it")
     common.add_argument("--name", help="output folder name (default from the options)")
     common.add_argument("--no-progress", action="store_true")
-    common.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
+    common.add_argument("--plugin", action="append", default=argparse.SUPPRESS, metavar="MODULE", help=PLUGIN_HELP)
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    g = sub.add_parser("gradcam", parents=[common], formatter_class=fmt, help="Grad-CAM of named modules of clients' models (DRDFL Figure 7 layout)")
-    g.add_argument("--run", help="run directory or name (default: the latest)")
+    g = sub.add_parser(
+        "gradcam",
+        parents=[common],
+        formatter_class=fmt,
+        help="Grad-CAM of named modules of clients' models (DRDFL Figure 7 layout)",
+        allow_abbrev=False,
+    )
     g.add_argument(
         "--module",
         required=True,
@@ -69,9 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="score explained: the model's logits, or the method's predict (auto: predict when it needs only the client model)",
     )
     t = sub.add_parser(
-        "tsne", parents=[common], formatter_class=fmt, help="t-SNE of per-client class prototypes or per-sample representations, one panel per run"
+        "tsne",
+        parents=[common],
+        formatter_class=fmt,
+        help="t-SNE of per-client class prototypes or per-sample representations, one panel per run",
+        allow_abbrev=False,
     )
-    t.add_argument("--runs", default="latest", help="comma list of run directories or names")
+    t.add_argument("--runs", help="comma list of run directories or names (default: --run, else the latest)")
     t.add_argument(
         "--space",
         default="proto",
@@ -89,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     load_plugins(argv)
     args = build_parser().parse_args(argv)
+    # the numbers first: a bad one fails before any run is opened
+    _positive(args.seed, "--seed", 0)
+    if args.command == "gradcam":
+        _positive(args.images, "--images")
+        _positive(args.max_clients, "--max-clients")
+    else:
+        _positive(args.max_samples, "--max-samples")
+        if args.perplexity is not None and not args.perplexity > 0:
+            raise ConfigError(f"--perplexity must be > 0, got {args.perplexity}")
     return gradcam_command(args) if args.command == "gradcam" else tsne_command(args)
 
 
@@ -97,17 +125,34 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_") or "x"
 
 
-def _atomic_folder(final: Path, files: dict[str, bytes]) -> Path:
+def _atomic_folder(final: Path, files: dict[str, bytes], by: str) -> Path:
     """Write ``files`` into a fresh temp folder beside ``final``, then swap it in: a killed analysis
-    leaves the previous result, never half a new one."""
+    leaves the previous result, never half a new one. ``final`` must be absent or a privfl output."""
+    check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
     try:
         for name, data in files.items():
             (folder / name).write_bytes(data)
-        swap_in_folder(folder, final)
+        swap_in_folder(folder, final, by=by)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return final
+
+
+def _output_folder(parent: Path, name: str | None, default: str) -> Path:
+    """``parent/<--name or default>``, checked before the work: one plain folder name, absent or a privfl output."""
+    final = parent / (check_output_name(name) if name is not None else default)
+    check_replaceable(final)
+    return final
+
+
+def _output_path(text: str) -> Path:
+    """``--output DIR``: absolute (``.`` and ``..`` resolved by name, links kept), absent or a privfl output."""
+    final = Path(os.path.abspath(text))
+    if final == final.parent:  # the file-system root
+        raise ConfigError(f"--output {text!r} must name a folder privfl can create or replace")
+    check_replaceable(final)
     return final
 
 
@@ -147,14 +192,16 @@ def _open(run: str | None, args) -> Any:
     return RunModels(run_dir, args.data_root, resolve_device(args.device))
 
 
-def _positive(value: int, flag: str) -> int:
-    if value < 1:
-        raise ConfigError(f"{flag} must be at least 1, got {value}")
+def _positive(value: int, flag: str, minimum: int = 1) -> int:
+    if value < minimum:
+        raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
     return value
 
 
 # ------------------------------------------------------------------------------------------ gradcam
 def gradcam_command(args) -> int:
+    if args.name is not None:
+        check_output_name(args.name)
     rm = _open(args.run, args)
 
     from privfl.analysis.gradcam import describe, map_tensors, plot_gradcam, run_gradcam
@@ -162,6 +209,8 @@ def gradcam_command(args) -> int:
 
     modules = [m.strip() for m in args.module.split(",") if m.strip()]
     class_index = resolve_class(args.cls, rm.class_names) if args.cls is not None else None
+    what = rm.class_names[class_index] if class_index is not None else "true-label"
+    final = _output_folder(rm.run_dir / "analysis", args.name, _slug(f"gradcam-{'+'.join(modules)}-{what}{'-same' if args.same_images else ''}"))
     result = run_gradcam(
         rm,
         modules,
@@ -174,17 +223,16 @@ def gradcam_command(args) -> int:
         seed=args.seed,
         progress=_progress(args, "grad-cam"),
     )
-    what = rm.class_names[class_index] if class_index is not None else "true-label"
-    name = args.name or _slug(f"gradcam-{'+'.join(modules)}-{what}{'-same' if args.same_images else ''}")
     info = {**describe(result, rm), "seed": args.seed, "device": str(rm.device)}
     title = f"Grad-CAM: {rm.method}, round {rm.round}, " + (f"class {what!r}" if class_index is not None else "true labels")
     final = _atomic_folder(
-        rm.run_dir / "analysis" / name,
+        final,
         {
             "gradcam.png": plot_gradcam(result, rm.class_names, title),
             "maps.safetensors": _tensors_bytes(map_tensors(result)),
             "gradcam.json": _json_bytes(info),
         },
+        "privfl.analyze gradcam",
     )
     print(f"grad-cam of {', '.join(modules)} on {len(result.rows)} client(s), {info['layout']['rows']} image(s) ({rm.method}, round {rm.round})")
     for row in result.rows:
@@ -203,11 +251,18 @@ def gradcam_command(args) -> int:
 def tsne_command(args) -> int:
     from privfl.runs import resolve_run
 
-    names = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if args.runs is not None and args.run is not None:
+        raise ConfigError("tsne takes --runs (a comma list) or --run (one run), not both")
+    runs_text = args.runs if args.runs is not None else (args.run or "latest")
+    names = [r.strip() for r in runs_text.split(",") if r.strip()]
     if not names:
         raise ConfigError("--runs needs at least one run")
     for n in names:
         resolve_run(n, args.out_dir)  # before the heavy imports: a bad name fails at once
+    if args.name is not None:
+        check_output_name(args.name)
+    if args.output is not None:
+        _output_path(args.output)
 
     import torch
 
@@ -220,6 +275,16 @@ def tsne_command(args) -> int:
     if len(classes) > 1:
         raise ConfigError("--runs must share one dataset (their class names differ)")
     max_samples = _positive(args.max_samples, "--max-samples")
+    tag = "proto" if args.space == "proto" else _slug(args.space) + ("-prototypes" if args.prototypes else "")
+    if args.output:
+        final = _output_path(args.output)
+    elif len(runs) == 1:
+        final = _output_folder(runs[0].run_dir / "analysis", args.name, f"tsne-{tag}")
+    else:
+        joined = "+".join(rm.name for rm in runs)
+        if len(joined) > 80:
+            joined = joined[:60] + "-" + hashlib.sha256(joined.encode()).hexdigest()[:10]
+        final = _output_folder(runs[0].run_dir.parent / "analysis", args.name, _slug(f"tsne-{tag}-{joined}"))
     panels = []
     for rm in runs:
         clients = parse_client_ids(args.clients, rm.num_clients)
@@ -228,16 +293,6 @@ def tsne_command(args) -> int:
             print(f"t-SNE of {len(panel.vectors)} points of {rm.name} ...", file=sys.stderr)
         embed(panel, args.seed, args.metric, args.perplexity)
         panels.append(panel)
-    tag = "proto" if args.space == "proto" else _slug(args.space) + ("-prototypes" if args.prototypes else "")
-    if args.output:
-        final = Path(args.output)
-    elif len(runs) == 1:
-        final = runs[0].run_dir / "analysis" / (args.name or f"tsne-{tag}")
-    else:
-        joined = "+".join(rm.name for rm in runs)
-        if len(joined) > 80:
-            joined = joined[:60] + "-" + hashlib.sha256(joined.encode()).hexdigest()[:10]
-        final = runs[0].run_dir.parent / "analysis" / (args.name or _slug(f"tsne-{tag}-{joined}"))
     rows = [panel_row(p, space) for p in panels]
     info = {
         "space": space.label,
@@ -272,6 +327,7 @@ def tsne_command(args) -> int:
             "points.csv": _csv_bytes(info["points"]),
             "vectors.safetensors": _tensors_bytes(tensors),
         },
+        "privfl.analyze tsne",
     )
     print(f"t-SNE of {space.label}; separation in the original space ({args.metric}):")
     for r in rows:

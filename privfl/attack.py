@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from privfl.cli import PLUGIN_HELP, run_cli
+from privfl.cli import PLUGIN_HELP, ArgumentParser, run_cli
 from privfl.errors import ConfigError
 
 GRADLEAK = {
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from attacks.dip import DIPConfig
 
     d = DIPConfig()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m privfl.attack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     # --run/--out-dir/--plugin go before or after the subcommand (after: the subparser's value wins)
@@ -41,11 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common = ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--run", default=argparse.SUPPRESS, help="run directory (default: the latest)")
     common.add_argument("--out-dir", default=argparse.SUPPRESS, help="where runs live (default: runs)")
     common.add_argument("--plugin", action="append", default=argparse.SUPPRESS, metavar="MODULE", help=PLUGIN_HELP)
-    sub.add_parser("list", parents=[common], help="the attacks that apply to a run (and why the others do not)")
+    sub.add_parser("list", parents=[common], help="the attacks that apply to a run (and why the others do not)", allow_abbrev=False)
     inv = sub.add_parser(
         "invert",
         parents=[common],
@@ -130,15 +130,19 @@ def parse_clients(text: str | None) -> list[str] | None:
     return client_names(text.split(",")) if text else None
 
 
-def _positive(name: str, value: int | None, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+def _positive(name: str, value: float | None, minimum: float = 1, *, strict: bool = False) -> None:
+    """A one-line error unless ``value`` (None: not given) is >= ``minimum`` (``strict``: > ``minimum``)."""
+    if value is not None and (value <= minimum if strict else value < minimum):
+        raise ConfigError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value}")
 
 
 def invert_options(args: argparse.Namespace) -> dict[str, Any]:
-    _positive("--steps", args.steps, 0)
+    _positive("--steps", args.steps)
+    _positive("--lr", args.lr, 0, strict=True)
     _positive("--batch", args.batch)
     _positive("--input-depth", args.input_depth)
+    _positive("--tv-weight", args.tv_weight, 0)
+    _positive("--reg-noise-std", args.reg_noise_std, 0)
     return {
         "steps": args.steps,
         "lr": args.lr,
@@ -154,6 +158,8 @@ def invert_options(args: argparse.Namespace) -> dict[str, Any]:
 def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
     _positive("--steps", args.steps)
     _positive("--restarts", args.restarts)
+    _positive("--lr", args.lr, 0, strict=True)
+    _positive("--tv-weight", args.tv_weight, 0)
     _positive("--batch-size", args.batch_size)
     if args.local_steps == "auto":
         local_steps: int | str = "auto"
@@ -181,7 +187,7 @@ def attack_options(name: str, items: list[str]) -> dict[str, Any]:
     import typing
 
     from attacks import ATTACKS
-    from privfl.config import parse_scalar
+    from privfl.config import check_range, parse_scalar
 
     config_cls = ATTACKS.get(name).Config
     fields = {f.name: f for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else {}
@@ -201,6 +207,7 @@ def attack_options(name: str, items: list[str]) -> dict[str, Any]:
                 continue
         else:
             raise ConfigError(f"--option {item!r}: {value!r} is not a valid {' or '.join(t.__name__ for t in kinds)}")
+        check_range(key, out[key], fields[key].metadata)  # a range the attack's Config declares with privfl.config.opt
     return out
 
 
@@ -211,42 +218,43 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     load_plugins(argv)
     args = build_parser().parse_args(argv)
-    run = Run.open(args.run, args.out_dir)
     if args.command == "list":
-        return list_attacks(run)
+        return list_attacks(Run.open(args.run, args.out_dir))
+    # every option is checked before the run is opened, and the output folder before the attack runs
+    from privfl.runs import check_output_name
+
+    if args.name is not None:
+        check_output_name(args.name)
+    _positive("--seed", args.seed, 0)
+    _positive("--round", args.round, 0)
+    _positive("--max-targets", getattr(args, "max_targets", None))
     clients = parse_clients(args.clients)
+    if args.command == "run":
+        options = attack_options(args.attack, args.option)
+    elif args.command == "invert":
+        options = invert_options(args)
+    else:
+        options = gradleak_options(args)
     common = {"seed": args.seed, "device": args.device, "name": args.name, "progress": not args.no_progress, "data_root": args.data_root}
     if args.command == "invert" and args.compare:
         from attacks import compare_artifacts
 
         kinds = [k.strip() for k in args.compare.split(",") if k.strip()]
         _positive("--samples", args.samples)
-        report = compare_artifacts(
-            run, kinds, client=clients[0] if clients else None, round=args.round, samples=args.samples, options=invert_options(args), **common
-        )
+        run = Run.open(args.run, args.out_dir)
+        client = clients[0] if clients else None
+        report = compare_artifacts(run, kinds, client=client, round=args.round, samples=args.samples, options=options, **common)
         print_compare(report)
         return 0
     from attacks import run_attack
 
-    if args.command == "run":
-        _positive("--max-targets", args.max_targets)
-        report = run_attack(
-            run,
-            args.attack,
-            kind=args.artifact,
-            round=args.round,
-            clients=clients,
-            max_targets=args.max_targets,
-            options=attack_options(args.attack, args.option),
-            **common,
-        )
-    elif args.command == "invert":
-        _positive("--max-targets", args.max_targets)
-        report = run_attack(
-            run, "invert", kind=args.artifact, round=args.round, clients=clients, max_targets=args.max_targets, options=invert_options(args), **common
-        )
+    run = Run.open(args.run, args.out_dir)
+    selection = {"kind": args.artifact, "round": args.round, "clients": clients}
+    if args.command in ("run", "invert"):
+        attack = args.attack if args.command == "run" else "invert"
+        report = run_attack(run, attack, **selection, max_targets=args.max_targets, options=options, **common)
     else:
-        report = run_attack(run, args.command, kind=args.artifact, round=args.round, clients=clients, options=gradleak_options(args), **common)
+        report = run_attack(run, args.command, **selection, options=options, **common)
     print_report(report)
     return 0
 

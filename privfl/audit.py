@@ -28,15 +28,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
+from privfl.cli import PLUGIN_HELP, ArgumentParser, load_plugins, run_cli
 from privfl.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from attacks.audit import PROFILES
 
-    p = argparse.ArgumentParser(prog="python -m privfl.audit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)  # fmt: skip
+    p = ArgumentParser(prog="python -m privfl.audit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)  # fmt: skip
     p.add_argument("method", nargs="?", help="registered method name or pkg.mod:Class (not with --run)")
     p.add_argument("--run", help="audit this existing run instead of training the method")
     p.add_argument("--profile", default="quick", choices=list(PROFILES), help="training size and attack budgets (default: quick)")

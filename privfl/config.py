@@ -11,10 +11,11 @@ import argparse
 import dataclasses
 import json
 import math
+import reprlib
 import sys
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,35 @@ else:  # Python 3.10 (requires-python allows it): the same parser from its backp
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with its help text (shown by ``--help``)."""
+    """A dataclass field with its help text (shown by ``--help``) and optional checks: ``choices``, and a
+    numeric range ``min``/``max`` (inclusive) or ``min_exclusive``/``max_exclusive``, enforced by
+    :func:`coerce` for CLI flags, config files and Python calls alike (``None`` passes when the field allows it)."""
+    unknown = set(kw) - {"choices", *_BOUNDS}
+    if unknown:
+        raise TypeError(f"opt() got unknown check(s) {', '.join(sorted(unknown))}")
     return field(default=default, metadata={"help": help, **kw})
+
+
+#: range checks a field may declare: metadata key -> (comparison that must hold, how it reads)
+_BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "min": (lambda v, b: v >= b, ">="),
+    "min_exclusive": (lambda v, b: v > b, ">"),
+    "max": (lambda v, b: v <= b, "<="),
+    "max_exclusive": (lambda v, b: v < b, "<"),
+}
+
+
+def range_text(metadata: Mapping[str, Any]) -> str:
+    """``{"min": 1}`` -> ``">= 1"``; ``{"min_exclusive": 0, "max_exclusive": 1}`` -> ``"> 0 and < 1"``; ``""`` without a range."""
+    return " and ".join(f"{sign} {metadata[key]}" for key, (_, sign) in _BOUNDS.items() if key in metadata)
+
+
+def check_range(key: str, value: Any, metadata: Mapping[str, Any]) -> None:
+    """A one-line :class:`ConfigError` unless ``value`` lies in the range ``metadata`` declares."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not all(ok(value, metadata[k]) for k, (ok, _) in _BOUNDS.items() if k in metadata):
+        raise ConfigError(f"option {key}: must be {range_text(metadata)}, got {value!r}")
 
 
 @dataclass
@@ -43,33 +71,33 @@ class TrainConfig:
     dataset: str = opt("fashionmnist", "dataset name")
     data_root: str | None = opt(None, "folder holding the dataset files (default: standard locations)")
     download: bool = opt(False, "download the dataset with torchvision where a network exists")
-    subsample: int | None = opt(None, "use a seeded random subset of N samples (quick tests)")
-    num_clients: int = opt(10, "number of clients")
+    subsample: int | None = opt(None, "use a seeded random subset of N samples (quick tests)", min=1)
+    num_clients: int = opt(10, "number of clients", min=1)
     partition: str = opt("dir", "partition scheme")
-    alpha: float = opt(0.1, "Dirichlet concentration for dir/exdir/longtail (PRA setting: 0.1)")
-    classes_per_client: int = opt(2, "classes per client for pat/exdir (PAT setting: 2/10/20)")
-    imbalance_factor: float = opt(100.0, "long-tail imbalance factor (largest/smallest class)")
+    alpha: float = opt(0.1, "Dirichlet concentration for dir/exdir/longtail (PRA setting: 0.1)", min_exclusive=0)
+    classes_per_client: int = opt(2, "classes per client for pat/exdir (PAT setting: 2/10/20)", min=1)
+    imbalance_factor: float = opt(100.0, "long-tail imbalance factor (largest/smallest class)", min=1)
     balanced: bool = opt(False, "pat: equal shares instead of random-sized ones")
-    min_samples: int | None = opt(None, "fail unless every client gets this many samples (default as PFLlib)")
-    train_fraction: float = opt(0.75, "per-client train share; the rest is the client's test split (papers: 3:1)")
+    min_samples: int | None = opt(None, "fail unless every client gets this many samples (default as PFLlib)", min=0)
+    train_fraction: float = opt(0.75, "per-client train share; the rest is the client's test split (papers: 3:1)", min_exclusive=0, max_exclusive=1)
     model_group: str = opt("cpu5", "heterogeneous model group, assigned round-robin to clients")
-    rep_dim: int = opt(512, "unified representation dimension d")
+    rep_dim: int = opt(512, "unified representation dimension d", min=1)
     mapping: str = opt("ap", "representation mapping RM: ap, mp or fc")
-    rounds: int = opt(20, "communication rounds")
-    join_ratio: float = opt(1.0, "fraction of clients selected per round")
-    local_epochs: int = opt(1, "local epochs per round")
-    batch_size: int = opt(64, "local batch size")
-    lr: float = opt(0.06, "local learning rate (FedRE paper, model-heterogeneous: 0.06)")
+    rounds: int = opt(20, "communication rounds", min=1)
+    join_ratio: float = opt(1.0, "fraction of clients selected per round", min_exclusive=0, max=1)
+    local_epochs: int = opt(1, "local epochs per round", min=1)
+    batch_size: int = opt(64, "local batch size", min=1)
+    lr: float = opt(0.06, "local learning rate (FedRE paper, model-heterogeneous: 0.06)", min_exclusive=0)
     optimizer: str = opt("sgd", "local optimizer: sgd or adam")
-    momentum: float = opt(0.0, "SGD momentum")
-    weight_decay: float = opt(0.0, "weight decay")
-    eval_batch_size: int = opt(512, "batch size for evaluation and representation passes")
-    seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw")
+    momentum: float = opt(0.0, "SGD momentum", min=0)
+    weight_decay: float = opt(0.0, "weight decay", min=0)
+    eval_batch_size: int = opt(512, "batch size for evaluation and representation passes", min=1)
+    seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")
     out_dir: str = opt("runs", "where run directories are created")
     run_name: str | None = opt(None, "run directory name (default: METHOD-DATASET-TIMESTAMP)")
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")
-    knowledge_every: int = opt(0, "also store client extractors every N rounds (0: final round only)")
+    knowledge_every: int = opt(0, "also store client extractors every N rounds (0: final round only)", min=0)
     knowledge_rounds: str = opt("", "also store client extractors at these rounds, a comma list such as 0,9 (the audit's rounds)")
     progress: bool = opt(True, "show a progress bar")
     defense: list[str] = field(
@@ -101,9 +129,11 @@ def field_types(cls: type) -> dict[str, type]:
 def coerce(cls: type, key: str, value: Any) -> Any:
     """Check and convert one config value to its field's type (and its declared choices)."""
     value = _convert(cls, key, value)
-    choices = next(f.metadata.get("choices") for f in fields(cls) if f.name == key)
+    metadata = next(f.metadata for f in fields(cls) if f.name == key)
+    choices = metadata.get("choices")
     if choices is not None and value not in choices:
         raise UnknownNameError(f"value for option {key}", str(value), choices)
+    check_range(key, value, metadata)
     return value
 
 
@@ -114,12 +144,31 @@ def _convert(cls: type, key: str, value: Any) -> Any:
     if typing.get_origin(tp) is list:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-            raise ConfigError(f"option {key}: expected a list of strings, got {value!r}")
+            raise ConfigError(f"option {key}: expected a list of strings, got {_short(value)}")
         return list(items)
     try:
         return parse_scalar(value, tp)
     except (TypeError, ValueError):
-        raise ConfigError(f"option {key}: {value!r} is not a valid {tp.__name__}") from None
+        raise ConfigError(f"option {key}: {_short(value)} is not a valid {tp.__name__}") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 60, 60
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut short, for one-line errors about values read from a file (a YAML file can make a
+    small list whose full repr is exponentially long, through aliases)."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _keys(names: Collection[Any]) -> str:
+    """Option names for a one-line error: plain ones as they are, odd ones (a newline, very long) as a short repr."""
+    return ", ".join(k if isinstance(k, str) and k.isprintable() and len(k) <= 60 else _short(k, 60) for k in sorted(names, key=str))
 
 
 def parse_scalar(value: Any, tp: Any) -> Any:
@@ -151,11 +200,16 @@ def parse_scalar(value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ValueError(value)
-        out = float(value.strip() if isinstance(value, str) else value)
+        try:
+            out = float(value.strip() if isinstance(value, str) else value)
+        except OverflowError:  # an int too large for a float
+            raise ValueError(value) from None
         if not math.isfinite(out):
             raise ValueError(value)
         return out
     if tp is str:
+        if isinstance(value, (list, dict)):  # not a str written another way (and a YAML alias can make its text huge)
+            raise ValueError(value)
         return str(value)
     return value
 
@@ -173,6 +227,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, sk
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if "choices" in f.metadata:
             help_text += f"; one of: {', '.join(f.metadata['choices'])}"
+        if range_text(f.metadata):
+            help_text += f"; {range_text(f.metadata)}"
         if typing.get_origin(tp) is list:
             parser.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar="SPEC", help=help_text)
         elif tp is bool:
@@ -181,38 +237,64 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, sk
             parser.add_argument(flag, type=str, default=argparse.SUPPRESS, metavar=tp.__name__.upper(), help=help_text)
 
 
+#: 64 KiB: far above any real config file (a few hundred bytes); bounds the time a parser may spend on one
+#: (PyYAML's pure-Python loader needs seconds for a few hundred KiB; libyaml's is faster but crashes on deep nesting)
+_MAX_CONFIG_BYTES = 1 << 16
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A TOML or YAML file as a dict (keys may use dashes or underscores)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
+        if p.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p} is larger than {_MAX_CONFIG_BYTES >> 10} KiB: not a config file")
         if p.suffix == ".toml":
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         elif p.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         elif p.suffix == ".json":
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_text(encoding="utf-8"))
         else:
             raise ConfigError(f"config file {p}: use .toml, .yaml or .json")
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"config file {p} cannot be parsed: {str(exc).splitlines()[0]}") from None
+    # ValueError: also not UTF-8 text, a number too long to convert; RecursionError: nested too deeply
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"config file {p} cannot be parsed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a table of options")
-    return _normalise_keys(data)
+    return _normalise_keys(data, str(p), {}, set())
 
 
-def _normalise_keys(data: dict[str, Any]) -> dict[str, Any]:
-    return {k.replace("-", "_"): (_normalise_keys(v) if isinstance(v, dict) else v) for k, v in data.items()}
+def _normalise_keys(data: dict[str, Any], source: str, done: dict[int, Any], active: set[int]) -> dict[str, Any]:
+    """Dashes in keys become underscores, in nested tables too. Keys must be strings; a table shared through
+    YAML aliases is converted once (``done``) and one that contains itself is refused (``active``)."""
+    if id(data) in done:
+        return done[id(data)]
+    if id(data) in active:
+        raise ConfigError(f"{source}: a table contains itself (a YAML alias to its own anchor)")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{source}: option names must be strings, got {_short(bad[0])}")
+    active.add(id(data))
+    out = {k.replace("-", "_"): (_normalise_keys(v, source, done, active) if isinstance(v, dict) else v) for k, v in data.items()}
+    active.discard(id(data))
+    done[id(data)] = out
+    return out
 
 
 def build_config(values: dict[str, Any], options_cls: type | None) -> TrainConfig:
     """A checked :class:`TrainConfig` from flat values; ``options`` is filled from ``options_cls``."""
     values = dict(values)
-    method_opts = dict(values.pop("options", {}) or {})
+    given_opts = values.pop("options", {}) or {}
+    if not isinstance(given_opts, Mapping):
+        raise ConfigError(f"option options: expected a table of method options, got {_short(given_opts)}")
+    method_opts = dict(given_opts)
     method = values.get("method", TrainConfig.method)
     # a method's options may also be given as a table named after the method, or at top level
-    if isinstance(values.get(method), dict):
+    if isinstance(method, str) and isinstance(values.get(method), dict):
         method_opts.update(values.pop(method))
     opt_names = {f.name for f in fields(options_cls)} if options_cls else set()
     for key in list(values):
@@ -220,11 +302,11 @@ def build_config(values: dict[str, Any], options_cls: type | None) -> TrainConfi
             method_opts[key] = values.pop(key)
     unknown = set(values) - _ACCEPTED
     if unknown:
-        raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}; accepted: {', '.join(sorted(_ACCEPTED - {'options'}))}")
+        raise ConfigError(f"unknown option(s) {_keys(unknown)}; accepted: {', '.join(sorted(_ACCEPTED - {'options'}))}")
     cfg = TrainConfig(**{k: coerce(TrainConfig, k, v) for k, v in values.items()})
     cfg.options = resolve_options(options_cls, method_opts) if options_cls else {}
     if method_opts and not options_cls:
-        raise ConfigError(f"method {cfg.method} takes no options, got {', '.join(sorted(method_opts))}")
+        raise ConfigError(f"method {cfg.method} takes no options, got {_keys(method_opts)}")
     return cfg
 
 
@@ -232,7 +314,7 @@ def resolve_options(options_cls: type, given: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in fields(options_cls)}
     unknown = set(given) - names
     if unknown:
-        raise ConfigError(f"unknown method option(s) {', '.join(sorted(unknown))}; accepted: {', '.join(sorted(names)) or '(none)'}")
+        raise ConfigError(f"unknown method option(s) {_keys(unknown)}; accepted: {', '.join(sorted(names)) or '(none)'}")
     obj = options_cls(**{k: coerce(options_cls, k, v) for k, v in given.items()})
     return dataclasses.asdict(obj)
 
@@ -249,7 +331,7 @@ def save_config(cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def load_saved_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a privfl run (no config.json)")
-    return json.loads(path.read_text())
+    """A run's saved ``config.json`` (checked to be a JSON object, read without following links)."""
+    from privfl.run import Run
+
+    return dict(Run(run_dir).config)

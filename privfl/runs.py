@@ -64,20 +64,65 @@ def resolve_run(run: str | None, out_dir: str | Path = "runs") -> Path:
     return path
 
 
-def swap_in_folder(folder: Path, final: Path) -> Path:
+def swap_in_folder(folder: Path, final: Path, *, by: str = "privfl") -> Path:
     """Replace ``final`` by the finished ``folder`` (a sibling temp dir) so that a killed attack or
-    analysis leaves the previous result, never half a new one."""
-    import shutil
+    analysis leaves the previous result, never half a new one.
 
+    ``folder`` gets the :data:`OUTPUT_MARKER` (saying ``by`` wrote it) unless it has one. An existing
+    ``final`` is replaced only when it is a privfl output (:func:`check_replaceable`); otherwise this
+    is a one-line :class:`ConfigError` and nothing changes. Call :func:`check_replaceable` before the
+    work, too, so a refusal comes before minutes of computing and not after."""
+    import shutil
+    import uuid
+
+    check_replaceable(final)
+    if not (folder / OUTPUT_MARKER).exists():
+        mark_output(folder, by)
     if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:12]}")  # a fresh name: never someone's folder
+        os.rename(final, old)
         os.replace(folder, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(folder, final)
     return final
+
+
+#: the file in every output folder privfl writes (attack results, analyses); only such folders are replaced
+OUTPUT_MARKER = ".privfl-output.json"
+
+
+def check_output_name(name: str, what: str = "--name") -> str:
+    """An output folder name is one plain path component: no '/' or '\\', not '.', '..' or hidden."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
+        raise ConfigError(f"{what} must be a plain folder name (no '/', not '.', '..' or starting with '.'), got {name!r}")
+    return name
+
+
+def is_privfl_output(path: Path) -> bool:
+    """``path`` is a real folder (not a link) holding the :data:`OUTPUT_MARKER` as a regular file."""
+    marker = path / OUTPUT_MARKER
+    return path.is_dir() and not path.is_symlink() and marker.is_file() and not marker.is_symlink()
+
+
+def check_replaceable(final: Path) -> None:
+    """A one-line :class:`ConfigError` unless ``final`` is absent or a privfl output that may be replaced."""
+    if final.is_symlink():
+        raise ConfigError(f"{final} is a symbolic link; privfl replaces only output folders it wrote: remove it or choose another name")
+    if final.exists() and not is_privfl_output(final):
+        raise ConfigError(
+            f"{final} already exists and is not a privfl output (no {OUTPUT_MARKER}); privfl replaces only folders it wrote: "
+            "remove it or choose another name"
+        )
+
+
+def mark_output(folder: Path, by: str) -> None:
+    """Write the :data:`OUTPUT_MARKER` into ``folder``: what wrote it, and when."""
+    import json
+    from datetime import datetime, timezone
+
+    info = {"format": "privfl-output/1", "written_by": by, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    (folder / OUTPUT_MARKER).write_text(json.dumps(info) + "\n")
 
 
 class RunClaim:

@@ -18,15 +18,19 @@ From Python the module itself is the training function, returning a :class:`priv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
+from privfl.cli import PLUGIN_HELP, ArgumentParser, add_hint, disk_error, load_plugins, run_cli
 from privfl.config import TrainConfig, add_dataclass_arguments, build_config, load_saved_config, read_config_file
 from privfl.errors import ConfigError
+from privfl.runs import latest_target
 
 if TYPE_CHECKING:
     from privfl.engine import TrainCallback
@@ -48,6 +52,8 @@ def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callba
     if isinstance(cfg, TrainConfig):
         if options:
             raise ConfigError("give either a TrainConfig or options, not both")
+        # the checks the CLI and config files get (types, ranges, choices, method options), on a copy
+        build_config(dataclasses.asdict(cfg), resolve_method(cfg.method).Options)
         return engine.train(cfg, callbacks=callbacks)
     values: dict[str, Any] = {"method": cfg} if isinstance(cfg, str) else dict(cfg or {})
     values.update(options)
@@ -80,15 +86,17 @@ def _catalogue() -> str:
 
 
 def build_parser(method_cls: type[FLMethod] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m privfl.train",
         description="Train a federated method and capture every message it sends.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_catalogue(),
+        allow_abbrev=False,  # --run is not --run-name
     )
     parser.add_argument("method", nargs="?", default=argparse.SUPPRESS, help="method name (default: fedre)")
     parser.add_argument("--config", help="TOML or YAML file of options (command-line flags win)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="RUN", help="resume a run (default: the latest)")
+    parser.add_argument("--run", metavar="RUN", help="with --resume: the run to resume (--resume --run RUN is --resume RUN)")
     parser.add_argument("--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=PLUGIN_HELP)
     add_dataclass_arguments(parser.add_argument_group("run options"), TrainConfig, skip={"method"})
     if method_cls is not None and fields(method_cls.Options):
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
     method_cls = resolve_method(method_name) if method_name else None
     args = vars(build_parser(method_cls).parse_args(argv))
     config_path = args.pop("config", None)
-    resume_run = args.pop("resume", None)
+    resume_run = resume_target(args.pop("resume", None), args.pop("run", None))
     args.pop("plugin", None)
 
     if resume_run is not None:
@@ -142,8 +150,9 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
                 f"--resume continues a run with its saved config; only --device/--progress may change, got {', '.join(sorted(ignored))}"
             )
         saved.update(args)
-        cfg = build_config(saved, resolve_method(saved["method"]).Options)
-        run = engine.resume(run_dir, cfg, callbacks=callbacks)
+        cfg = build_config(saved, resolve_method(saved.get("method", ""), source=f"{run_dir}/config.json").Options)
+        with _hint_on_disk_error(lambda: run_dir):
+            run = engine.resume(run_dir, cfg, callbacks=callbacks)
     else:
         values = read_config_file(config_path) if config_path else {}
         values.update(args)
@@ -153,9 +162,51 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
             for key, value in getattr(method_cls.Options, "run_defaults", {}).items():
                 values.setdefault(key, value)
         cfg = build_config(values, method_cls.Options)
-        run = engine.train(cfg, callbacks=callbacks)
+        before = latest_target(Path(cfg.out_dir))
+        with _hint_on_disk_error(lambda: _run_created(cfg, before)):
+            run = engine.train(cfg, callbacks=callbacks)
     print_summary(run.summary)
     return 0
+
+
+@contextmanager
+def _hint_on_disk_error(find_run: Callable[[], Path | None]) -> Iterator[None]:
+    """A full disk (or quota, read-only file system, permission) while training: the one-line error says
+    how to continue the run, which keeps its last complete round (checkpoints are written atomically)."""
+    try:
+        yield
+    except Exception as exc:
+        if disk_error(exc) is not None:
+            run = find_run()
+            if run is not None:
+                hint = f"the run keeps its last complete round: python -m privfl.train --resume --run {run} continues it"
+            else:
+                hint = "no round was saved, so there is nothing to resume: train again once that is fixed"
+            with suppress(AttributeError, TypeError):  # an exception type that takes no attributes: the line goes without the hint
+                add_hint(exc, hint)
+        raise
+
+
+def _run_created(cfg: TrainConfig, latest_before: str | None) -> Path | None:
+    """The run folder ``engine.train`` created for ``cfg``, if it got as far as saving its config."""
+    out = Path(cfg.out_dir)
+    if cfg.run_name:
+        run: Path | None = out / cfg.run_name
+    else:  # a timestamped name: the run train() marked as latest, if it is not the one marked before
+        target = latest_target(out)
+        run = out / target if target is not None and target != latest_before else None
+    return run if run is not None and (run / "config.json").is_file() else None
+
+
+def resume_target(resume: str | None, run: str | None) -> str | None:
+    """The run ``--resume [RUN]`` / ``--resume --run RUN`` names (``latest`` by default); None without --resume."""
+    if run is None:
+        return resume
+    if resume is None:
+        raise ConfigError(f"--run names the run to resume: add --resume (python -m privfl.train --resume --run {run})")
+    if resume not in ("latest", run):
+        raise ConfigError(f"--resume {resume} and --run {run} name two runs; give one")
+    return run
 
 
 def _fmt_count(n: float) -> str:

@@ -270,3 +270,40 @@ def test_separation_numbers_on_known_geometry():
     assert tight["silhouette"] > 0.8 and tight["knn_accuracy"] == 1.0 and abs(tight["silhouette_by_client"]) < 0.1
     shuffled = separation(x, rng.permutation(y), clients, "euclidean")
     assert shuffled["silhouette"] < 0.1 and shuffled["knn_accuracy"] < 0.6
+
+
+def test_output_folders_privfl_did_not_write_are_refused_before_the_work(runs, tmp_path, capsys, monkeypatch):
+    """--output DIR / --name: an existing folder without privfl's marker (or a link) is never replaced, a
+    name is one plain folder name, and both are refused before any model is run; privfl's own output is
+    replaced by a re-run. --run goes before or after the subcommand."""
+    import privfl.analysis.gradcam
+    import privfl.analysis.tsne
+    from privfl.runs import OUTPUT_MARKER
+
+    run = str(runs["fedre"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file\n")
+    (runs["fedre"] / "analysis").mkdir(exist_ok=True)
+    (runs["fedre"] / "analysis" / "theirs").mkdir()
+    calls = []
+    monkeypatch.setattr(privfl.analysis.tsne, "collect", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(privfl.analysis.gradcam, "run_gradcam", lambda *a, **k: calls.append(1))
+    foreign = "already exists and is not a privfl output (no .privfl-output.json); privfl replaces only folders it wrote: "
+    foreign += "remove it or choose another name"
+    assert cli_error(capsys, "tsne", "--runs", run, "--output", str(mine)) == f"privfl.analyze: error: {mine} {foreign}"
+    assert cli_error(capsys, "--run", run, "tsne", "--output", str(tmp_path)).endswith(f"{tmp_path} {foreign}")
+    assert foreign in cli_error(capsys, "tsne", "--run", run, "--name", "theirs")
+    assert foreign in cli_error(capsys, "gradcam", "--run", run, "--module", "features", "--name", "theirs")
+    for name in ("..", "a/b", "../x", ".hidden"):
+        assert "--name must be a plain folder name" in cli_error(capsys, "tsne", "--runs", run, "--name", name)
+        assert "--name must be a plain folder name" in cli_error(capsys, "--run", run, "gradcam", "--module", "features", "--name", name)
+    (tmp_path / "link").symlink_to(mine)
+    assert "is a symbolic link" in cli_error(capsys, "tsne", "--runs", run, "--output", str(tmp_path / "link"))
+    assert calls == [] and (mine / "notes.txt").read_text() == "a user's file\n"
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    analyze("--run", run, "tsne", "--output", str(out))
+    analyze("tsne", "--run", run, "--output", str(out))  # its own output: replaced
+    assert json.loads((out / OUTPUT_MARKER).read_text())["written_by"] == "privfl.analyze tsne" and (out / "tsne.png").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "mine", "out"]  # no temp or old folder left

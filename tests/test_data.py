@@ -143,6 +143,7 @@ def test_debian_fashionmnist() -> None:
 
 def test_missing_data_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ds, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DataMissingError) as info:
         load_dataset("fashionmnist", tmp_path / "empty")
     msg = str(info.value)
@@ -153,6 +154,18 @@ def test_missing_data_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(DataMissingError, match="--data-root") as info:
             load_dataset(name, tmp_path)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["fashionmnist", "cifar10"])
+def test_a_data_root_that_is_not_a_folder_is_named_in_one_line(tmp_path: Path, name: str) -> None:
+    """A --data-root the user named is never silently replaced by the standard places (Fashion-MNIST's
+    Debian folder would otherwise be used whatever the typo)."""
+    with pytest.raises(DataMissingError) as info:
+        load_dataset(name, tmp_path / "no-such-folder")
+    assert str(info.value) == f"{name}: data folder {tmp_path / 'no-such-folder'} does not exist (--data-root)"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataMissingError, match="is not a folder"):
+        load_dataset(name, tmp_path / "file")
 
 
 def test_download_goes_through_torchvision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -269,7 +269,7 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys):
         pytest.skip("apt-get install dataset-fashion-mnist")
     code = run_cli("privfl.train", lambda: train_main(["fedfree", "--k", "0", "--subsample", "600", "--no-progress", "--out-dir", str(tmp_path)]))
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "k must be >= 1" in err and len(err.splitlines()) == 1
+    assert code == 2 and "option k: must be >= 1, got 0" in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())
     ctx = FedFree.leakage_context("layer")
     assert ctx is not None and ctx.previous_rule == "layer-replay"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,54 @@ def test_a_module_partly_never_transmitted_is_attacked_with_a_warning(tmp_path):
     (warning,) = report.protocol["warnings"]
     assert "never transmitted" in warning and "a guess" in warning and "\n" not in warning
     assert all(r.notes["warning"] == warning for r in report.reconstructions)
+
+
+def test_output_names_and_foreign_folders_are_refused_before_the_attack_runs(runs, capsys, monkeypatch):
+    """--name is one plain folder name; a folder privfl did not write (no marker) is never replaced, and
+    both are refused before any optimisation; privfl's own result is replaced by a re-run."""
+    import attacks.runner
+    from privfl.runs import OUTPUT_MARKER
+
+    def err(argv):
+        code = run_cli("privfl.attack", lambda: attack_main(argv))
+        text = capsys.readouterr().err.strip()
+        assert code == 2 and len(text.splitlines()) == 1, text
+        return text.removeprefix("privfl.attack: error: ")
+
+    run = runs / "fedsgd"
+    base = ["dlg", "--artifact", "grad", "--run", str(run), "--clients", "0", "--steps", "1", "--no-progress"]
+    for name in (".", "..", "../../X", "a/b", ".hidden"):
+        assert err([*base, "--name", name]) == f"--name must be a plain folder name (no '/', not '.', '..' or starting with '.'), got {name!r}"
+    for bad, text in (
+        (["--restarts", "-1"], "--restarts must be >= 1, got -1"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+        (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--round", "-1"], "--round must be >= 0, got -1"),
+    ):
+        assert err([*base, *bad]) == text
+    mine = run / "attacks" / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("a user's file\n")
+    default = run / "attacks" / "idlg-grad-r0"  # the name the attack would choose itself
+    default.mkdir()
+    called = []
+    monkeypatch.setattr(attacks.runner, "execute", lambda *a, **k: called.append(1))
+    assert err([*base, "--name", "mine"]) == (
+        f"{mine} already exists and is not a privfl output (no .privfl-output.json); privfl replaces only folders it wrote: "
+        "remove it or choose another name"
+    )
+    assert "idlg-grad-r0 already exists and is not a privfl output" in err(["idlg", *base[1:]])
+    link = run / "attacks" / "link"
+    link.symlink_to(mine)
+    assert "link is a symbolic link" in err([*base, "--name", "link"])
+    assert called == [] and (mine / "notes.txt").read_text() == "a user's file\n" and not any(default.iterdir())
+    monkeypatch.undo()
+    assert attack_main([*base, "--name", "again"]) == 0
+    assert attack_main([*base, "--name", "again"]) == 0  # its own output: replaced
+    assert json.loads((run / "attacks" / "again" / OUTPUT_MARKER).read_text())["written_by"] == "privfl.attack dlg"
+    assert not [p for p in (run / "attacks").iterdir() if p.name.startswith(".")]  # no temp or old folder left
+    link.unlink()
+    for folder in (mine, default, run / "attacks" / "again"):
+        shutil.rmtree(folder)

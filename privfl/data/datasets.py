@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import math
 import os
 import pickle
 import tempfile
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -126,6 +128,10 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     key = name.lower() if name.lower() in DATASETS else name
     loader = DATASETS.get(key)
     path = Path(root).expanduser() if root is not None else None
+    if path is not None and not path.is_dir() and not (download and not path.exists()):
+        # a folder the user named is where they mean the data to be: never fall back to the standard places
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise DataMissingError(f"{key}: data folder {path} {what} (--data-root)")
     return loader(path, download)
 
 
@@ -170,28 +176,48 @@ _IDX_DTYPES: dict[int, np.dtype[Any]] = {
 _IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
+_MAX_IDX_BYTES = 1 << 32  # 4 GiB: far above any IDX dataset; a .gz header claiming more is refused before inflating it
+
+
+def _read_at_most(fh: Any, n: int, chunk: int = 1 << 24) -> bytes:
+    """Up to ``n`` bytes of ``fh``, read in chunks: ``fh.read(n)`` would allocate all ``n`` at once, whatever the file holds."""
+    out = bytearray()
+    while len(out) < n:
+        part = fh.read(min(chunk, n - len(out)))
+        if not part:
+            break
+        out += part
+    return bytes(out)
+
+
 def read_idx(path: Path, expect_ndim: int | None = None) -> np.ndarray:
-    """Parse one IDX file (raw or .gz): magic = 0, 0, dtype code, ndim; then big-endian dims."""
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise DataMissingError(f"{path}: corrupt gzip ({_one_line(exc)})") from exc
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataMissingError(f"{path}: not an IDX file (bad magic number {raw[:4].hex()})")
-    ndim = raw[3]
-    if expect_ndim is not None and ndim != expect_ndim:
-        raise DataMissingError(f"{path}: IDX file has {ndim} dimensions, expected {expect_ndim}")
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataMissingError(f"{path}: truncated IDX header")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(raw) - header != expected:
-        raise DataMissingError(f"{path}: IDX payload is {len(raw) - header} bytes, dims {dims} need {expected}")
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+    """Parse one IDX file (raw or .gz): magic = 0, 0, dtype code, ndim; then big-endian dims.
+
+    The payload is read only up to the size the dims declare (+1 byte to see that nothing follows), so a
+    gzip stream that inflates to more than its header says never fills memory."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
+            head = fh.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES:
+                raise DataMissingError(f"{path}: not an IDX file (bad magic number {head.hex()})")
+            ndim = head[3]
+            if expect_ndim is not None and ndim != expect_ndim:
+                raise DataMissingError(f"{path}: IDX file has {ndim} dimensions, expected {expect_ndim}")
+            header = fh.read(4 * ndim)
+            if len(header) < 4 * ndim:
+                raise DataMissingError(f"{path}: truncated IDX header")
+            dims = tuple(int(d) for d in np.frombuffer(header, dtype=">u4"))
+            dtype = np.dtype(_IDX_DTYPES[head[2]])
+            expected = math.prod(dims) * dtype.itemsize  # Python ints: 255 dims of 2**32 cannot overflow
+            if expected > _MAX_IDX_BYTES:
+                raise DataMissingError(f"{path}: IDX dims {dims[:8]} declare {expected} bytes, more than any IDX dataset")
+            payload = _read_at_most(fh, expected + 1)
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataMissingError(f"{path}: {'corrupt gzip' if path.suffix == '.gz' else 'unreadable IDX file'} ({_one_line(exc)})") from exc
+    if len(payload) != expected:
+        size = f"more than {expected}" if len(payload) > expected else str(len(payload))
+        raise DataMissingError(f"{path}: IDX payload is {size} bytes, dims {dims[:8]} need {expected}")
+    return np.frombuffer(payload, dtype=dtype).reshape(dims)
 
 
 def _find_idx_dir(candidates: Sequence[Path]) -> dict[str, Path] | None:
@@ -229,6 +255,8 @@ def _load_idx_dataset(
         if imgs.dtype != np.uint8 or labs.dtype != np.uint8 or len(imgs) != len(labs):
             raise DataMissingError(f"{name}: {split} images/labels do not match ({imgs.shape}, {labs.shape})")
         parts.append((imgs, labs))
+    if parts[0][0].shape[1:] != parts[1][0].shape[1:]:
+        raise DataMissingError(f"{name}: train images are {parts[0][0].shape[1:]}, test images {parts[1][0].shape[1:]}")
     images = np.concatenate([p[0] for p in parts])[:, None, :, :]
     labels = np.concatenate([p[1] for p in parts]).astype(np.int64)
     if labels.max(initial=0) >= len(class_names):

@@ -379,6 +379,13 @@ def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     module.load_state_dict({k: v.to(next(iter(module.state_dict().values())).device) for k, v in tensors.items()})
 
 
+def _named_by_user(module: str) -> bool:
+    """Already imported, or inside a package the user named with ``--plugin``."""
+    from privfl.cli import NAMED_MODULES
+
+    return module in sys.modules or any(module == m or module.startswith(m + ".") for m in NAMED_MODULES)
+
+
 def resolve_method(name: str, *, source: str | None = None) -> type[FLMethod]:
     """A registered method, or a user's ``package.module:Class`` (imported, never eval'd), checked by
     :func:`check_method_class`.
@@ -386,13 +393,13 @@ def resolve_method(name: str, *, source: str | None = None) -> type[FLMethod]:
     ``source`` says the name was read from a file (a run's ``config.json``/``run.json``) rather than
     given by the user: then an import path is resolved only if its module is already imported (the
     user named it: ``--plugin``, the command line, or an ``import``), because opening a run someone
-    sent you must never run code it names."""
+    sent you must never run code it names. A submodule of a package named with ``--plugin`` counts as named."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"method must be a name or an import path pkg.mod:Class, got {str(name)[:60]!r}")
     if ":" not in name:
         return METHODS.get(name)
     module_name, _, attr = name.partition(":")
-    if source is not None and module_name not in sys.modules:
+    if source is not None and not _named_by_user(module_name):
         raise ConfigError(
             f"{source} names the method {name[:80]!r}, which is code; privfl does not import code named in a run's files: "
             f"if you trust it, name it yourself with --plugin {module_name[:60]}"

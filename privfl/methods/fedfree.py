@@ -46,17 +46,22 @@ LAYER_TYPES = {nn.Conv2d: "conv", nn.Linear: "fc"}
 # ---------------------------------------------------------------------------------------------- options
 @dataclass
 class FedFreeOptions:
-    k: int = opt(2, "critical layers each client uploads per round (paper: 2)")
+    k: int = opt(2, "critical layers each client uploads per round (paper: 2)", min=1)
     selection: str = opt("topk", "topk: largest relative change (Eq. 2); random: the Fig. 4(a) ablation", choices=("topk", "random"))
     server_update: str = opt(
         "align",
         "align: Eq. 3-5 on Gaussian pseudo-data; average: plain averaging of the mapped uploads (Fig. 4(b) ablation)",
         choices=("align", "average"),
     )
-    server_lr: float = opt(0.01, "server learning rate alpha of Eqs. 4-5")
-    server_steps: int = opt(1, "server gradient steps per global layer per round (paper: 1)")
-    pseudo_batch: int = opt(64, "pseudo-data samples B per step (paper: unspecified)")
-    average_rate: float = opt(1.0, "average: g <- (1-r) g + r mean(uploads); 1 replaces g by the mean, 2*server_lr is what align does in expectation")
+    server_lr: float = opt(0.01, "server learning rate alpha of Eqs. 4-5", min=0)
+    server_steps: int = opt(1, "server gradient steps per global layer per round (paper: 1)", min=0)
+    pseudo_batch: int = opt(64, "pseudo-data samples B per step (paper: unspecified)", min=1)
+    average_rate: float = opt(
+        1.0,
+        "average: g <- (1-r) g + r mean(uploads); 1 replaces g by the mean, 2*server_lr is what align does in expectation",
+        min_exclusive=0,
+        max=1,
+    )
     match: str = opt(
         "depth",
         "layer matching: depth (same type, nearest overall relative depth), type_depth "
@@ -68,7 +73,7 @@ class FedFreeOptions:
     )
     kge_candidates: str = opt("mapped", "KGE pairs: mapped (the layer each upload was mapped to) or same_type (any)", choices=("mapped", "same_type"))
     fill: str = opt("keep", "client overwrite beyond the copied entries: keep local values, or zero (Eq. 7)", choices=("keep", "zero"))
-    kge_bins: int = opt(256, "histogram bins of the KGE entropy (paper: 256)")
+    kge_bins: int = opt(256, "histogram bins of the KGE entropy (paper: 256)", min=2)
     global_arch: str = opt("fedfree-cnn", "architecture of the server's global model (paper: its 5-layer CNN)")
 
 

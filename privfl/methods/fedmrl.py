@@ -69,6 +69,7 @@ class FedMRLOptions:
     d1: int = opt(
         200,
         "Matryoshka/small-model representation dimension d1 <= d2 = --rep-dim (paper grid 100..500, Fig. 6: best 200 on CIFAR-10, 100 on CIFAR-100)",
+        min=1,
     )
     small_model: str = opt(
         "auto",
@@ -76,11 +77,11 @@ class FedMRLOptions:
         "same architecture (Table 3 setting), else cnn5 (Table 1 setting)",
         choices=SMALL_MODELS,
     )
-    loss_weight_global: float = opt(1.0, "m^G, weight of CE(global header(R~[:d1])) (Eq. 9; paper: 1)")
-    loss_weight_local: float = opt(1.0, "m^F, weight of CE(local header(R~)) (Eq. 9; paper: 1)")
-    small_lr: float | None = opt(None, "eta_theta for the small model (Eq. 10; default --lr, as the paper)")
-    projector_lr: float | None = opt(None, "eta_phi for the projector (Eq. 10; default --lr, as the paper)")
-    grad_clip: float = opt(50.0, "max gradient norm, clipped separately for G, F_k and P_k (official code: 50; 0: off)")
+    loss_weight_global: float = opt(1.0, "m^G, weight of CE(global header(R~[:d1])) (Eq. 9; paper: 1)", min=0)
+    loss_weight_local: float = opt(1.0, "m^F, weight of CE(local header(R~)) (Eq. 9; paper: 1)", min=0)
+    small_lr: float | None = opt(None, "eta_theta for the small model (Eq. 10; default --lr, as the paper)", min_exclusive=0)
+    projector_lr: float | None = opt(None, "eta_phi for the projector (Eq. 10; default --lr, as the paper)", min_exclusive=0)
+    grad_clip: float = opt(50.0, "max gradient norm, clipped separately for G, F_k and P_k (official code: 50; 0: off)", min=0)
     projector_bias: bool = opt(True, "projector Linear(d1+d2 -> d2) has a bias (official code: yes)")
     inference: str = opt("mix-large", "inference model (App. C.3, Fig. 7): mix-large is the paper's default", choices=INFERENCE)
 

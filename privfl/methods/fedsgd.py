@@ -24,7 +24,7 @@ from privfl.seeding import seed_global, torch_generator
 
 @dataclass
 class FedSGDOptions:
-    server_lr: float | None = opt(None, "server SGD step size on the averaged gradient (default: --lr)")
+    server_lr: float | None = opt(None, "server SGD step size on the averaged gradient (default: --lr)", min_exclusive=0)
 
 
 @METHODS.register("fedsgd")

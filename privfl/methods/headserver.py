@@ -25,9 +25,9 @@ class HeadServerOptions:
     """Server settings of every method whose server trains one global head (FedRE paper: SGD lr 0.01,
     batch 10, one epoch per round)."""
 
-    server_lr: float = opt(0.01, "server SGD learning rate for the global head")
-    server_batch: int = opt(10, "server batch size")
-    server_epochs: int = opt(1, "server epochs over the uploads per round")
+    server_lr: float = opt(0.01, "server SGD learning rate for the global head", min_exclusive=0)
+    server_batch: int = opt(10, "server batch size", min=1)
+    server_epochs: int = opt(1, "server epochs over the uploads per round", min=0)
 
 
 class GlobalHeadServer(FLMethod):

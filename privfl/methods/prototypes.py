@@ -64,7 +64,7 @@ class FedGH(GlobalHeadServer):
 
 @dataclass
 class FedProtoOptions:
-    lamda: float = opt(1.0, "weight of the prototype regulariser (lambda)")
+    lamda: float = opt(1.0, "weight of the prototype regulariser (lambda)", min=0)
     weighting: str = opt("samples", "global prototype average: samples (paper) or uniform (HtFLlib)", choices=("samples", "uniform"))
 
 
