@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from privfl.capture.store import TensorStore, atomic_write_text
+from privfl.capture.store import TensorStore, atomic_write_text, stray_temps
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
@@ -65,8 +65,9 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {name} requested but no CUDA GPU is available (use --device auto or cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name} requested but only {torch.cuda.device_count()} CUDA GPU(s) exist (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {name} requested but only {count} CUDA GPU(s) exist (cuda:0..cuda:{count - 1})")
     return device
 
 
@@ -278,6 +279,12 @@ class Trainer:
             self.repairs += self.truth.truncate(lambda r: r["message_seq"] in capture_kept)[1]
         if self.knowledge_store is not None:
             self.repairs += self.knowledge_store.truncate(lambda r: r["round"] <= last_round)[1]
+        stray = stray_temps(self.run_dir, recursive=False) + [
+            p for sub in ("checkpoint", "capture", "truth", "knowledge") for p in stray_temps(self.run_dir / sub)
+        ]
+        for path in stray:  # privfl's own temporary files (`.NAME.XXXX.tmp`): a kill came between write and rename
+            path.unlink()
+            self.repairs.append(f"removed {path.relative_to(self.run_dir)} (a write the kill cut short)")
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -480,15 +487,16 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
     claim = RunClaim(run_dir)
     try:
         trainer = Trainer(cfg, run_dir, callbacks=callbacks, claim=claim)
+        save_config(cfg, run_dir)
+        write_run_info(trainer)
     except BaseException:
-        # bad input found while setting up (impossible partition, ...): leave nothing behind
+        # bad input found while setting up (impossible partition, ...), or a full disk before the run
+        # could be resumed (no config.json yet): leave nothing behind, so the name is free again
         claim.release()
         if claim.created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     try:
-        save_config(cfg, run_dir)
-        write_run_info(trainer)
         previous_latest = latest_target(run_dir.parent)
         mark_latest(run_dir)
         try:

@@ -48,7 +48,8 @@ def _read_json(path: Path, what: str) -> Any:
     data = read_contained(path.parent, path, what, limit=_MAX_JSON_FILE)
     try:
         return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    # ValueError: a JSON syntax error, bytes that are not UTF-8, or an int of more than 4300 digits
+    except (ValueError, RecursionError) as exc:
         raise CaptureError(f"{path} is not valid JSON ({str(exc)[:80]})") from None
 
 
@@ -81,7 +82,7 @@ def load_checkpoint_state(run_dir: Path, info: dict[str, Any], device: str = "cp
     data = read_contained(run_dir, path, "checkpoint")
     try:
         state = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
         raise CaptureError(f"checkpoint {path} is not a valid safetensors file ({exc_line(exc)})") from None
     return {k: v.to(device) for k, v in state.items()}
 
@@ -94,7 +95,7 @@ def load_partition(run_dir: Path) -> dict[str, torch.Tensor]:
     data = read_contained(run_dir, path, "partition")
     try:
         part = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
         raise CaptureError(f"{path} is not a valid safetensors file ({exc_line(exc)})") from None
     for key, t in part.items():
         if not re.fullmatch(r"subset|(train|test)_\d{1,7}", key):
@@ -141,13 +142,18 @@ class Run:
     @property
     def dataset(self) -> dict[str, Any]:
         """Public facts about the data (name, classes, channels, image size, normalisation)."""
-        if "dataset" not in self.info:
+        if not isinstance(self.info.get("dataset"), dict):
             raise CaptureError(f"{self.path}/run.json does not describe the dataset (run.json is missing or foreign)")
         return self.info["dataset"]
 
     @property
     def num_clients(self) -> int:
-        return len(self.info.get("archs", [])) or int(self.config.get("num_clients", 0))
+        archs, count = self.info.get("archs"), self.config.get("num_clients", 0)
+        if isinstance(archs, list) and archs:
+            return len(archs)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise CaptureError(f"{self.path}: run.json lists no client archs and config.json's num_clients is not a count")
+        return count
 
     @cached_property
     def method_cls(self) -> type[FLMethod]:
@@ -172,7 +178,7 @@ class Run:
         data = read_contained(self.path, path, "metrics", limit=_MAX_JSON_FILE)
         try:
             rows = [json.loads(line) for line in data.splitlines() if line.strip()]
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise CaptureError(f"{path} is not valid JSON lines ({str(exc)[:80]})") from None
         if not all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in rows):
             raise CaptureError(f"{path}: every line must be a JSON object with an integer round")
@@ -226,6 +232,16 @@ class Run:
 
         if not 0 <= index < self.num_clients:
             raise ConfigError(f"client {index} does not exist; the run has clients 0..{self.num_clients - 1}")
+        archs, ds = self.info.get("archs"), self.dataset
+        sizes = [ds.get(k) for k in ("channels", "num_classes", "image_size")]
+        if not (
+            isinstance(self.info.get("method"), str)
+            and isinstance(archs, list)
+            and index < len(archs)
+            and isinstance(archs[index], str)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+        ):
+            raise CaptureError(f"{self.path}/run.json does not describe client {index}'s model (method, archs, dataset channels/num_classes/image_size)")
         return ModelRequest.from_run(self.info, self.config, index)
 
 
@@ -260,7 +276,10 @@ class AttackerView:
 
     def granted(self) -> set[str]:
         """Knowledge the run declares it stores (``run.json``), present on disk."""
-        return {k for k in self.info.get("knowledge", {}) if self.knowledge_store is not None}
+        declared = self.info.get("knowledge", {})
+        if not isinstance(declared, dict):
+            raise CaptureError(f"{self.run_dir}/run.json: knowledge must be an object (kind -> what it grants), not {type(declared).__name__}")
+        return {k for k in declared if self.knowledge_store is not None}
 
     def records(self) -> list[dict[str, Any]]:
         """Every captured index record (setup broadcasts included)."""

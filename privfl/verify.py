@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from privfl.capture.store import TensorStore
+from privfl.capture.store import STRAY_TEMP, TensorStore
 from privfl.channel import summarize_comm
 from privfl.errors import PrivflError
 from privfl.kinds import KINDS, parse_directions
@@ -84,6 +84,8 @@ def _walk_links(run_dir: Path, report: VerifyReport) -> None:
                 report.add("files", f"{path} is a symbolic link (a run holds plain files only; privfl does not follow it)")
             elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 report.add("files", f"{path} is not a regular file")
+            elif stat.S_ISREG(mode) and STRAY_TEMP.fullmatch(name) and "attacks" not in Path(path).relative_to(run_dir).parts:
+                report.add("files", f"{path}: a temporary file a killed write left (--resume removes it)")
 
 
 def _client_index(name: str, num_clients: int) -> int | None:
@@ -270,7 +272,7 @@ def _check_partition(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> N
     path = run_dir / "partition.json"
     try:
         sizes = json.loads(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         report.add("files", f"{path} is not valid JSON")
         return
     for split in ("train", "test"):
@@ -282,7 +284,10 @@ def _check_partition(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> N
 
 
 def _check_knowledge(facts: _RunFacts, records: list[dict[str, Any]], report: VerifyReport) -> None:
-    declared = set(facts.info.get("knowledge") or {})
+    declared = facts.info.get("knowledge") or {}
+    if not isinstance(declared, dict):
+        report.add("files", "run.json: knowledge (kind -> what it grants an attacker) is not an object")
+        declared = {}
     for rec in records:
         if rec["kind"] not in declared:
             report.add("knowledge", f"knowledge seq {rec['seq']}: kind {rec['kind'][:40]!r} is not declared in run.json")

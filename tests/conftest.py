@@ -49,6 +49,10 @@ def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[d
         full, killed = tmp_path / "full", tmp_path / "killed"
         assert len(read_metrics(killed)) == kill_round  # it died inside round kill_round
         run(["-m", "privfl.train", "--resume", str(killed), "--no-progress"])
+        from privfl.verify import verify_run
+
+        report = verify_run(killed)
+        assert report.ok, report.lines()
 
         def strip(rows: list[dict]) -> list[dict]:
             return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]

@@ -190,6 +190,10 @@ def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path):
     rewrite(damaged / "capture", recs[:2] + recs[3:], rechain=False)  # a committed record dropped
     with open(killed / "capture" / "index.jsonl", "a") as fh:
         fh.write('{"seq": 99, "round": 1, "sen')  # the line a kill cuts short
+    torn = killed / "capture" / "blobs" / "00" / ".00ab.safetensors.k1l2.tmp"  # a blob write cut short
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(b"\x00" * 10)
+    assert any("temporary file" in p for p in verify_run(killed).problems["files"])
 
     refused = resume(damaged)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
@@ -197,7 +201,8 @@ def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path):
 
     repaired = resume(killed)
     assert repaired.returncode == 0, repaired.stderr[-2000:]
-    assert "dropped a partial last line" in repaired.stderr
+    assert "dropped a partial last line" in repaired.stderr and "a write the kill cut short" in repaired.stderr
+    assert not torn.exists()
     assert verify_run(killed).ok, verify_run(killed).lines()
 
 

@@ -19,7 +19,7 @@ import sys
 from privfl.capture.message import KINDS
 from privfl.capture.store import TensorStore
 from privfl.channel import summarize_comm
-from privfl.cli import PLUGIN_HELP, load_plugins, run_cli
+from privfl.cli import PLUGIN_HELP, ArgumentParser, load_plugins, run_cli
 from privfl.errors import CaptureError, UnknownNameError
 
 
@@ -34,14 +34,14 @@ def _stores(run_dir):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m privfl.capture", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     # --run/--out-dir/--plugin go before or after the subcommand (after: the subparser's value wins)
     parser.add_argument("--run", default=None, help="run directory (default: the latest)")
     parser.add_argument("--out-dir", default="runs", help="where runs live (default: runs)")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common = ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--run", default=argparse.SUPPRESS, help="run directory (default: the latest)")
     common.add_argument("--out-dir", default=argparse.SUPPRESS, help="where runs live (default: runs)")
     common.add_argument("--plugin", action="append", default=argparse.SUPPRESS, metavar="MODULE", help=PLUGIN_HELP)

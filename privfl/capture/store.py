@@ -124,6 +124,18 @@ def read_contained(root: Path, path: Path, what: str = "file", limit: int | None
     return data
 
 
+#: a temporary file of :func:`atomic_write_bytes` (or a checkpoint's) that a kill left before its rename
+STRAY_TEMP = re.compile(r"\..+\.tmp")
+
+
+def stray_temps(folder: Path, *, recursive: bool = True) -> list[Path]:
+    """Temporary files privfl's atomic writes left in ``folder`` (a kill between write and rename)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    found = folder.rglob(".*.tmp") if recursive else folder.glob(".*.tmp")
+    return sorted(p for p in found if STRAY_TEMP.fullmatch(p.name) and p.is_file() and not p.is_symlink())
+
+
 def exc_line(exc: BaseException, limit: int = 100) -> str:
     """The first line of an exception's text (or its type), cut to ``limit``: for one-line errors."""
     text = str(exc).strip()
@@ -215,7 +227,7 @@ class TensorStore:
             raise CaptureError(f"{self.root} is not a privfl {self.role} store (no manifest.json)")
         try:
             info = json.loads(read_contained(self.root, manifest, "manifest", limit=4096))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             raise CaptureError(f"{manifest} is not valid JSON: not a privfl store") from None
         if not isinstance(info, dict) or info.get("format") not in (FORMAT, *LEGACY_FORMATS):
             raise CaptureError(f"{manifest}: unknown store format {str(info)[:80]!r}; expected {FORMAT}")
@@ -312,7 +324,7 @@ class TensorStore:
             head = json.loads(read_contained(self.root, self.head_path, "head", limit=4096))
         except CaptureError as exc:
             return str(exc)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             return f"{self.head_path} is not valid JSON"
         if (
             not isinstance(head, dict)
@@ -328,7 +340,7 @@ class TensorStore:
         """One index line as a well-formed record of this store, or what is wrong with it."""
         try:
             rec = json.loads(line) if len(line) <= _MAX_JSON_LINE else None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             rec = None
         if rec is None:
             return "not JSON"
@@ -420,7 +432,7 @@ class TensorStore:
             raise CaptureError(f"checksum mismatch in {path}: the file is corrupt or was modified")
         try:
             return st_load(data)
-        except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
+        except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
             raise CaptureError(f"{path} is not a valid safetensors file: {exc_line(exc)}") from None
 
     def verify(self) -> list[str]:
