@@ -177,7 +177,10 @@ def test_transmitted_logits_leak_membership_by_matching_rows(runs):
     )
     assert report.protocol["threat_model"] == "eavesdropper-membership"
     assert rows["client1"]["rows_labelled"] is False and rows["client2"]["rows_labelled"] is True
-    assert min(rows["client2"]["auc"], rows["client3"]["auc"]) > 0.6 and rows["client1"]["auc"] > 0.5
+    # labelled rows leak; unlabelled ones are near chance (0.507 with 2 threads, 0.498 with 1: float order)
+    assert min(rows["client2"]["auc"], rows["client3"]["auc"]) > 0.6 and 0.4 < rows["client1"]["auc"] < min(
+        rows["client2"]["auc"], rows["client3"]["auc"]
+    )
     baseline = run_attack(run, "mia-logits", clients=[2, 3], options={"matching_rounds": 0}, device="cpu", write=False)
     print(f"mia-logits nearest row, no matching: AUC {baseline.summary['auc']:.3f}")
     labelled = (rows["client2"]["auc"] + rows["client3"]["auc"]) / 2
