@@ -241,7 +241,7 @@ class Run:
             and isinstance(archs[index], str)
             and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
         ):
-            raise CaptureError(f"{self.path}/run.json does not describe client {index}'s model (method, archs, dataset channels/num_classes/image_size)")
+            raise CaptureError(f"{self.path}/run.json does not describe client {index}'s model (method, archs; dataset channels, classes, size)")
         return ModelRequest.from_run(self.info, self.config, index)
 
 

@@ -119,7 +119,10 @@ def _kind_problems(rec: dict[str, Any]) -> list[str]:
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None or len(info["shape"]) > 8:
             return [f"tensor {name!r} cannot be described"]
-        tensors[name] = torch.empty(info["shape"], dtype=dtype, device="meta")
+        try:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype, device="meta")
+        except (TypeError, RuntimeError):  # a dimension beyond int64, or a size whose bytes overflow
+            return [f"tensor {name!r} has a shape no tensor can have"]
     try:
         return list(KINDS.get(rec["kind"]).problems(tensors, rec["meta"], rec["direction"], tuple(rec["aux"])))
     except (NotImplementedError, RuntimeError):  # a check that reads values: meta tensors have none
@@ -165,6 +168,9 @@ class _RunFacts:
         try:
             cls = resolve_method(str(self.config.get("method", "")), source="config.json")
             cfg = build_config(self.config, getattr(cls, "Options", None))
+            if cfg.num_clients != self.num_clients:  # a ring's schedule costs time and memory per node: never for a count that is not the run's
+                report.add("files", f"config.json says {str(cfg.num_clients)[:20]} clients, run.json lists {self.num_clients} archs")
+                return None
             topology = cls.build_topology(cfg, cls.Options(**cfg.options))
         except PrivflError as exc:
             report.notes.append(f"the schedule (topology, live nodes) was not checked: {exc}")

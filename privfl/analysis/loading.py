@@ -95,7 +95,7 @@ class RunModels:
     # ------------------------------------------------------------------ what the run is
     @property
     def method(self) -> str:
-        return str(self.info["method"])
+        return str(self.info.get("method", self.run.method))
 
     @property
     def name(self) -> str:
@@ -103,11 +103,14 @@ class RunModels:
 
     @property
     def num_clients(self) -> int:
-        return len(self.info["archs"])
+        return self.run.num_clients
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.info["dataset"]["class_names"])
+        names = self.run.dataset.get("class_names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CaptureError(f"{self.run_dir}/run.json: the dataset's class_names are not a list of names")
+        return list(names)
 
     @property
     def method_cls(self) -> type[FLMethod]:
