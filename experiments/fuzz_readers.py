@@ -157,7 +157,7 @@ def build_base_run(run_dir: Path) -> Path:
         knowledge.append({"round": ROUNDS - 1, "client": name, "kind": "extractor", "arch": archs[k], "spec": spec}, {"w": torch.ones(2, 3) * k})
     knowledge.flush()
     atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
-    summary = {"method": "fedre", "dataset": "fashionmnist", "clients": CLIENTS, "rounds": ROUNDS, "final_acc": 0.5, "best_round": 0}
+    summary = {"method": "fedre", "dataset": "fashionmnist", "clients": CLIENTS, "rounds": ROUNDS, "final_acc": 0.5, "best_acc": 0.5, "best_round": 0}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     state = {f"client{k}.head.{p}": v.clone() for k in range(CLIENTS) for p, v in head.items()}
     state.update({f"method.head.{p}": v.clone() for p, v in head.items()})

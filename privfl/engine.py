@@ -10,9 +10,9 @@ samples from them), the live nodes of a ring (failed nodes are skipped; rings ta
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
-import os
 import shutil
 import sys
 import time
@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
-from privfl.capture.store import TensorStore, atomic_write_text, stray_temps
+from privfl.capture.store import TensorStore, atomic_write_bytes, atomic_write_text, stray_temps
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
@@ -227,15 +228,15 @@ class Trainer:
             state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
         state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
         name = f"state-r{rnd:05d}.safetensors"
-        tmp = ckpt / f".{name}.tmp"
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, ckpt / name)
+        data = st_save({k: v.detach().contiguous().cpu().clone() for k, v in state.items()})
+        atomic_write_bytes(ckpt / name, data)
         atomic_write_text(
             ckpt / "checkpoint.json",
             json.dumps(
                 {
                     "round": rnd,
                     "file": name,
+                    "sha256": hashlib.sha256(data).hexdigest(),  # verify and --resume check the weights against it
                     "history": self.history,
                     "defenses": [d.state() for d in self.defenses],
                 }

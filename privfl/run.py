@@ -17,6 +17,7 @@ run's files (a user's ``pkg.mod:Class`` method is resolved only when a model mus
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import OrderedDict
@@ -80,6 +81,9 @@ def load_checkpoint_state(run_dir: Path, info: dict[str, Any], device: str = "cp
     """The tensors of the checkpoint ``info`` names (safetensors: never unpickled, never through a link)."""
     path = run_dir / "checkpoint" / str(info["file"])
     data = read_contained(run_dir, path, "checkpoint")
+    digest = info.get("sha256")
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise CaptureError(f"checksum mismatch in checkpoint {path}: the weights were modified or are corrupt")
     try:
         state = st_load(data)
     except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)

@@ -134,6 +134,8 @@ class _RunFacts:
 
     rounds: int
     num_clients: int
+    archs: list[Any]
+    knowledge_rounds: set[int]
     sends: dict[str, Any]
     metrics: list[dict[str, Any]]
 
@@ -157,9 +159,21 @@ class _RunFacts:
         if not isinstance(archs, list) or not archs or not isinstance(sends, dict):
             report.add("files", "run.json: archs (one per client) and sends (kind -> directions) are missing or malformed")
             return
-        self.rounds, self.num_clients, self.sends = rounds, len(archs), sends
+        self.rounds, self.num_clients, self.sends, self.archs = rounds, len(archs), sends, archs
+        self.knowledge_rounds = self._knowledge_rounds()
         self.topology = self._topology(report)
         self.ok = True
+
+    def _knowledge_rounds(self) -> set[int]:
+        """The rounds the config stores knowledge at: the final one, every N-th, the listed ones."""
+        out = {self.rounds - 1}
+        every = self.config.get("knowledge_every")
+        if isinstance(every, int) and not isinstance(every, bool) and every > 0:
+            out |= {r for r in range(self.rounds) if (r + 1) % every == 0}
+        listed = self.config.get("knowledge_rounds")
+        if isinstance(listed, str):
+            out |= {int(p) for p in listed.split(",") if p.strip().isdigit() and len(p.strip()) < 8}
+        return out
 
     def _topology(self, report: VerifyReport) -> Any:
         from privfl.config import build_config
@@ -281,12 +295,41 @@ def _check_partition(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> N
     except (ValueError, RecursionError):
         report.add("files", f"{path} is not valid JSON")
         return
+    if sizes is None:
+        report.add("files", f"{path} is missing (the run writes it with its partition)")
     for split in ("train", "test"):
         have = [int(part[f"{split}_{k}"].numel()) if f"{split}_{k}" in part else None for k in range(facts.num_clients)]
         if None in have:
             report.add("truth", f"partition.safetensors lacks the {split} split of some of the {facts.num_clients} clients")
         elif isinstance(sizes, dict) and sizes.get(f"{split}_sizes") != have:
             report.add("truth", f"partition.safetensors {split} sizes differ from partition.json")
+    splits = [t for k, t in part.items() if k != "subset"]
+    if splits:  # every sample belongs to at most one client's train or test split
+        every = torch.cat([t.to(torch.int64) for t in splits])
+        if every.numel() != every.unique().numel():
+            report.add("truth", "partition.safetensors names a sample in more than one client split")
+
+
+def _check_summary(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None:
+    """``summary.json`` (written when the run finished) says what the metrics say."""
+    from privfl.run import _read_json
+
+    path = run_dir / "summary.json"
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        summary = _read_json(path, "summary.json")
+    except PrivflError as exc:
+        report.add("files", str(exc))
+        return
+    rows = facts.metrics
+    if not isinstance(summary, dict) or not rows or not all(isinstance(r.get("acc"), (int, float)) for r in rows):
+        report.add("files", f"{path} or metrics.jsonl does not hold the run's accuracies")
+        return
+    best = max(rows, key=lambda r: r["acc"])
+    stated = (summary.get("rounds"), summary.get("final_acc"), summary.get("best_acc"), summary.get("best_round"))
+    if stated != (len(rows), rows[-1]["acc"], best["acc"], best["round"]):
+        report.add("files", "summary.json's rounds, final or best accuracy differ from metrics.jsonl")
 
 
 def _check_knowledge(facts: _RunFacts, records: list[dict[str, Any]], report: VerifyReport) -> None:
@@ -297,9 +340,19 @@ def _check_knowledge(facts: _RunFacts, records: list[dict[str, Any]], report: Ve
     for rec in records:
         if rec["kind"] not in declared:
             report.add("knowledge", f"knowledge seq {rec['seq']}: kind {rec['kind'][:40]!r} is not declared in run.json")
-        if _client_index(rec["client"], facts.num_clients) is None or rec["round"] >= facts.rounds:
+        k = _client_index(rec["client"], facts.num_clients)
+        if k is None or rec["round"] >= facts.rounds:
             who = f"{rec['client'][:40]!r} at round {rec['round']}"
             report.add("knowledge", f"knowledge seq {rec['seq']}: {who} is not a client and round of this run")
+        elif "arch" in rec and rec["arch"] != facts.archs[k]:
+            report.add(
+                "knowledge", f"knowledge seq {rec['seq']}: {rec['client']}'s model is {facts.archs[k]!r} (run.json), not {str(rec['arch'])[:40]!r}"
+            )
+        elif rec["round"] not in facts.knowledge_rounds:
+            report.add("knowledge", f"knowledge seq {rec['seq']}: round {rec['round']} is not one the run stores knowledge at")
+    seen = [(r["kind"], r["client"], r["round"]) for r in records]
+    if len(seen) != len(set(seen)):
+        report.add("knowledge", "the same client's knowledge is stored twice for one round")
 
 
 def _check_checkpoint(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None:
@@ -337,6 +390,7 @@ def verify_run(run_dir: str | Path) -> VerifyReport:
     if (run_dir / "summary.json").exists() and len(rounds) != facts.rounds:
         report.add("files", f"summary.json says the run finished, but metrics.jsonl has {len(rounds)} of {facts.rounds} rounds")
     _check_checkpoint(run_dir, facts, report)
+    _check_summary(run_dir, facts, report)
     if not facts.config.get("capture", True):
         report.notes.append("trained with --no-capture: nothing was captured")
         return report

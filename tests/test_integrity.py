@@ -264,3 +264,48 @@ def test_opening_a_run_never_imports_code_it_names(base_run, tmp_path, monkeypat
     assert not marker.exists()
     assert run_cli("privfl.attack", lambda: attack_main(["list", "--run", str(run), "--plugin", "privfl_probe_mod"])) == 2
     assert marker.exists()  # named by the user: imported (and then refused: it defines no Method)
+
+
+def test_verify_catches_edited_weights_summary_and_partition(base_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run = copy_run(base_run, tmp_path)
+    pointer = json.loads((run / "checkpoint" / "checkpoint.json").read_text())
+    state_path = run / "checkpoint" / pointer["file"]
+    state = load_file(str(state_path))
+    first = next(iter(state))
+    state[first] = state[first] + 1  # still a valid safetensors file, other weights
+    state_path.unlink()
+    save_file(state, str(state_path))
+    assert any("checksum mismatch in checkpoint" in p for p in verify_run(run).problems["files"])
+
+    run2 = tmp_path / "run2"
+    shutil.copytree(base_run, run2)
+    summary = json.loads((run2 / "summary.json").read_text())
+    summary["final_acc"] += 0.1
+    (run2 / "summary.json").write_text(json.dumps(summary))
+    part = load_file(str(run2 / "truth" / "partition.safetensors"))
+    part["train_1"] = torch.cat([part["train_1"][:-1], part["train_0"][:1]])  # sizes kept, one sample in two clients
+    (run2 / "truth" / "partition.safetensors").unlink()
+    save_file(part, str(run2 / "truth" / "partition.safetensors"))
+    problems = verify_run(run2).problems
+    assert any("summary.json" in p for p in problems["files"])
+    assert any("more than one client split" in p for p in problems["truth"])
+
+
+def test_resume_refuses_records_of_completed_rounds_after_the_head(tmp_path):
+    store = TensorStore(tmp_path / "k", "knowledge", create=True)
+    store.append({"round": 0, "client": "client0", "kind": "extractor"}, {"a": torch_ones()})
+    store.flush()
+    store.append({"round": 0, "client": "client1", "kind": "extractor"}, {"a": torch_ones()})  # after the head, yet round 0
+    with pytest.raises(CaptureError, match="completed rounds follow the committed head"):
+        store.truncate(lambda r: r["round"] <= 0)
+    n, repairs = store.truncate(lambda r: r["round"] < 0)  # the interrupted round's records: dropped and said
+    assert n == 0 and any("dropped 2 record(s)" in r for r in repairs)
+
+
+def torch_ones():
+    import torch
+
+    return torch.ones(2)

@@ -305,8 +305,13 @@ class TensorStore:
             n += 1
         if any(keep(r) for r in scan.records[n:]):
             raise CaptureError(f"{self.index_path}: records to keep follow records to drop; --resume cannot cut it at one place")
+        if scan.committed is not None and n > scan.committed:  # a kill leaves only the interrupted round uncommitted
+            raise CaptureError(
+                f"{self.index_path}: {n - scan.committed} record(s) of completed rounds follow the committed head; "
+                "--resume refuses to continue it (python -m privfl.capture verify lists the damage)"
+            )
         kept = scan.records[:n]
-        if scan.committed is not None and n < scan.committed and len(scan.records) > n:
+        if len(scan.records) > n:
             repairs.append(f"{self.index_path}: dropped {len(scan.records) - n} record(s) of the round that was interrupted")
         atomic_write_text(self.index_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         self._next_seq = n
