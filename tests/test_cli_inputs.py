@@ -249,7 +249,14 @@ def test_a_run_stopped_by_a_full_disk_resumes_with_resume_run(tmp_path, capsys, 
 
 
 # ---------------------------------------------------------------------------------------- closed pipes
-@pytest.mark.parametrize("argv", [["privfl.train", "--help"], ["privfl.audit", "--help"], ["privfl.analyze", "tsne", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["privfl.train", "--help"],
+        pytest.param(["privfl.audit", "--help"], marks=pytest.mark.slow),  # the same run_cli path: 12 s each in the default suite
+        pytest.param(["privfl.analyze", "tsne", "--help"], marks=pytest.mark.slow),
+    ],
+)
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
     """``| head -1`` and a reader that is gone before anything is written (``| true``): no traceback, no
     'Exception ignored' at exit, status 0. PYTHONUNBUFFERED is unset: the final flush is what fails."""
