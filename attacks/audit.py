@@ -392,8 +392,12 @@ def audit(
     subjects = [Subject("audited", method_name, run=opened)]
     subjects += [Subject("defended", method_name, [d]) for d in defenses]
     subjects += [Subject("reference", m) for m in refs if m != method_name]
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:  # one mkdir decides, atomically, whether this invocation made the folder (and may remove it)
+        out.mkdir()
+        created = True
+    except FileExistsError:
+        created = False
     try:
         return _audit_subjects(subjects, values, prof, out, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
     except PrivflError:

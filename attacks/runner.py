@@ -21,8 +21,6 @@ rep/proto/ent_rep comparison (:mod:`attacks.compare`) uses :func:`execute` and :
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +35,7 @@ from attacks.scoring import Scored, scorer_for
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS
 from privfl.run import GroundTruth, Run
-from privfl.runs import check_output_name, check_replaceable, swap_in_folder
+from privfl.runs import output_path, write_output_folder
 
 
 @dataclass
@@ -257,15 +255,13 @@ def write_report(
     """Gallery, metrics and HTML of one result, written in a temporary folder and swapped into
     ``RUN/attacks/<name>`` whole (a privfl output: it carries the marker file)."""
     final = output_folder(run, name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
-    try:
-        _write_result(
+    return write_output_folder(
+        final,
+        lambda folder: _write_result(
             folder, run, scored, protocol, title=title, heading=heading, gallery_title=gallery_title, reconstructions=reconstructions, text=text
-        )
-        return swap_in_folder(folder, final, by=f"privfl.attack {protocol.get('attack', '')}".strip())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # gone after the swap; what is left of a failed write
+        ),
+        by=f"privfl.attack {protocol.get('attack', '')}".strip(),
+    )
 
 
 def _write_result(
@@ -310,9 +306,7 @@ def _write_result(
 def output_folder(run: Run, name: str) -> Path:
     """``RUN/attacks/<name>``, checked: ``name`` is one plain path component, and an existing folder of
     that name is a privfl output (only those are replaced). One-line ConfigErrors; call it before the work."""
-    final = run.path / "attacks" / check_output_name(name)
-    check_replaceable(final)
-    return final
+    return output_path(run.path / "attacks", name)
 
 
 @overload

@@ -1142,6 +1142,19 @@ class Case:
     kept: str = ""
 
 
+def claim_work_folder(folder: Path, by: str) -> bool:
+    """This script deletes and replaces what is inside its work folder, so the folder must be new, empty,
+    or one an earlier run of it made (it carries privfl's output marker): never a user's folder."""
+    from privfl.runs import is_privfl_output, mark_output
+
+    if folder.exists() and any(folder.iterdir()) and not is_privfl_output(folder):
+        print(f"{folder} exists and was not made by {by}: give a new --work folder", file=sys.stderr)
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    mark_output(folder, by)
+    return True
+
+
 @contextlib.contextmanager
 def case_dir(work: Path) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="case-", dir=work))
@@ -1449,8 +1462,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     args.work_dir = Path(args.work or tempfile.mkdtemp(prefix="damage-verify-")).resolve()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(args.work_dir / "missed", ignore_errors=True)
+    if not claim_work_folder(args.work_dir, "experiments/damage_verify.py"):
+        return 2
+    shutil.rmtree(args.work_dir / "missed", ignore_errors=True)  # inside a folder this script made and marked
     print(f"work folder: {args.work_dir}", flush=True)
 
     if args.run:

@@ -385,11 +385,17 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     base = code_snapshot()
+    from privfl.runs import is_privfl_output, mark_output
+
     out = Path(args.out).resolve()
     work = out / "work"
+    if out.exists() and any(out.iterdir()) and not is_privfl_output(out):  # what follows deletes inside it
+        print(f"{out} exists and was not made by this script: give a new --out folder", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    mark_output(out, "experiments/kill_resume.py")
     for old in ("work", "ref", "points"):
         shutil.rmtree(out / old, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
     values: dict[str, Any] = {
         "method": args.method,
         "rounds": args.rounds,

@@ -23,15 +23,13 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from privfl.cli import PLUGIN_HELP, ArgumentParser, load_plugins, run_cli
 from privfl.errors import ConfigError
-from privfl.runs import check_output_name, check_replaceable, swap_in_folder
+from privfl.runs import check_output_name, check_replaceable, output_path, write_output_folder
 
 RUN_HELP = "run directory or name (default: the latest); tsne: one run, as --runs"
 
@@ -126,25 +124,18 @@ def _slug(text: str) -> str:
 
 
 def _atomic_folder(final: Path, files: dict[str, bytes], by: str) -> Path:
-    """Write ``files`` into a fresh temp folder beside ``final``, then swap it in: a killed analysis
-    leaves the previous result, never half a new one. ``final`` must be absent or a privfl output."""
-    check_replaceable(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
+    """``files`` written into ``final`` whole (:func:`privfl.runs.write_output_folder`)."""
+
+    def write(folder: Path) -> None:
         for name, data in files.items():
             (folder / name).write_bytes(data)
-        swap_in_folder(folder, final, by=by)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return final
+
+    return write_output_folder(final, write, by=by)
 
 
 def _output_folder(parent: Path, name: str | None, default: str) -> Path:
-    """``parent/<--name or default>``, checked before the work: one plain folder name, absent or a privfl output."""
-    final = parent / (check_output_name(name) if name is not None else default)
-    check_replaceable(final)
-    return final
+    """``parent/<--name or default>``, checked before the work (:func:`privfl.runs.output_path`)."""
+    return output_path(parent, name if name is not None else default)
 
 
 def _output_path(text: str) -> Path:

@@ -228,7 +228,7 @@ class Trainer:
             state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
         state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
         name = f"state-r{rnd:05d}.safetensors"
-        data = st_save({k: v.detach().contiguous().cpu().clone() for k, v in state.items()})
+        data = st_save({k: v.detach().contiguous().cpu() for k, v in state.items()})
         atomic_write_bytes(ckpt / name, data)
         atomic_write_text(
             ckpt / "checkpoint.json",

@@ -9,6 +9,7 @@ what an attacker may know), ``metrics.jsonl``/``metrics.csv`` (per round), ``sum
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -97,6 +98,35 @@ def check_output_name(name: str, what: str = "--name") -> str:
     if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
         raise ConfigError(f"{what} must be a plain folder name (no '/', not '.', '..' or starting with '.'), got {name!r}")
     return name
+
+
+def output_path(parent: Path, name: str, what: str = "--name") -> Path:
+    """``parent/<name>`` for a result privfl is about to write (``RUN/attacks/<name>``, ``RUN/analysis/<name>``):
+    ``name`` is one plain component, ``parent`` is not a link (a run someone sent must not redirect our
+    writes elsewhere), and an existing folder of that name is a privfl output. One-line ConfigErrors;
+    call it before the work."""
+    if parent.is_symlink():
+        raise ConfigError(f"{parent} is a symbolic link; privfl writes its results into real folders only")
+    final = parent / check_output_name(name, what)
+    check_replaceable(final)
+    return final
+
+
+def write_output_folder(final: Path, write: Callable[[Path], None], *, by: str) -> Path:
+    """Run ``write(folder)`` on a fresh temporary folder beside ``final`` and swap it in whole
+    (:func:`swap_in_folder`): a killed attack or analysis leaves the previous result, never half a new
+    one. The temporary folder is this call's own, and is all it removes on failure."""
+    import shutil
+    import tempfile
+
+    check_replaceable(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        write(folder)
+        return swap_in_folder(folder, final, by=by)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # absent after the swap; what a failed write left otherwise
 
 
 def is_privfl_output(path: Path) -> bool:

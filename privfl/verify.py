@@ -40,9 +40,8 @@ from privfl.capture.store import STRAY_TEMP, TensorStore
 from privfl.channel import summarize_comm
 from privfl.errors import PrivflError
 from privfl.kinds import KINDS, parse_directions
+from privfl.run import client_index
 
-#: files privfl itself keeps in a run that are not data (the writer's lock)
-_IGNORED = {".lock"}
 _DTYPES = {str(t).removeprefix("torch."): t for t in (getattr(torch, n) for n in dir(torch)) if isinstance(t, torch.dtype)}
 
 
@@ -89,10 +88,14 @@ def _walk_links(run_dir: Path, report: VerifyReport) -> None:
 
 
 def _client_index(name: str, num_clients: int) -> int | None:
-    text = name.removeprefix("client")
-    if name.startswith("client") and text.isdigit() and len(text) < 8 and int(text) < num_clients and str(int(text)) == text:
-        return int(text)
-    return None
+    """``client<k>`` of this run (:func:`privfl.run.client_index`, written the one way privfl writes it), else None."""
+    if not name.startswith("client") or len(name) > 16:
+        return None
+    try:
+        k = client_index(name)
+    except PrivflError:
+        return None
+    return k if k < num_clients and name == f"client{k}" else None
 
 
 def _expected_counts(rec: dict[str, Any]) -> tuple[int, int, int] | str:
@@ -262,7 +265,7 @@ def _check_capture(facts: _RunFacts, records: list[dict[str, Any]], committed: i
             report.add("meaning", f"round {rnd}: captured messages, but metrics.jsonl has no such round")
 
 
-def _check_truth(run_dir: Path, records: list[dict[str, Any]], truth: list[dict[str, Any]], report: VerifyReport) -> None:
+def _check_truth(records: list[dict[str, Any]], truth: list[dict[str, Any]], report: VerifyReport) -> None:
     by_seq = {r["seq"]: r for r in records}
     seen: set[int] = set()
     for t in truth:
@@ -402,17 +405,18 @@ def verify_run(run_dir: str | Path) -> VerifyReport:
             report.add(role, f"{exc} (the run was trained with capture, so it must have one)")
     scans = {}
     for role, store in stores.items():
-        report.problems[role] += store.verify()
         try:
-            scans[role] = store.scan()
-        except PrivflError:
+            scans[role] = store.scan()  # read and chained once, then checked blob by blob
+        except PrivflError as exc:
+            report.add(role, str(exc))
             continue
+        report.problems[role] += store.verify(scans[role])
         report.counts[role] = len(scans[role].records)
     if "capture" in scans:
         cap = scans["capture"]
         _check_capture(facts, cap.records, cap.committed, report)
         if "truth" in scans:
-            _check_truth(run_dir, cap.records, scans["truth"].records, report)
+            _check_truth(cap.records, scans["truth"].records, report)
     _check_partition(run_dir, facts, report)
     if "knowledge" in scans:
         _check_knowledge(facts, scans["knowledge"].records, report)

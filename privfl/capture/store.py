@@ -440,13 +440,14 @@ class TensorStore:
         except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
             raise CaptureError(f"{path} is not a valid safetensors file: {exc_line(exc)}") from None
 
-    def verify(self) -> list[str]:
-        """Every problem found (empty when the store is intact): index structure (:meth:`scan`), each
-        blob's checksum, size and tensor shapes, and links anywhere in the store."""
-        try:
-            scan = self.scan()
-        except CaptureError as exc:
-            return [str(exc)]
+    def verify(self, scan: IndexScan | None = None) -> list[str]:
+        """Every problem found (empty when the store is intact): index structure (:meth:`scan`, or the
+        ``scan`` already made), each blob's checksum, size and tensor shapes, and links anywhere in the store."""
+        if scan is None:
+            try:
+                scan = self.scan()
+            except CaptureError as exc:
+                return [str(exc)]
         problems = list(scan.problems)
         for rec in scan.records:
             path = self.blob_path(rec["sha256"])
