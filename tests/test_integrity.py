@@ -309,3 +309,18 @@ def torch_ones():
     import torch
 
     return torch.ones(2)
+
+
+def test_results_are_never_written_through_a_linked_results_folder(tmp_path):
+    from privfl.runs import output_path, write_output_folder
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "attacks").symlink_to(elsewhere)  # a run someone sent, redirecting results out of it
+    with pytest.raises(ConfigError, match="symbolic link"):
+        output_path(run / "attacks", "invert-x")
+    final = output_path(run / "analysis", "tsne")
+    write_output_folder(final, lambda f: (f / "a.txt").write_text("x"), by="test")
+    assert (final / "a.txt").read_text() == "x" and not list(elsewhere.iterdir())
+    assert [p.name for p in (run / "analysis").iterdir()] == ["tsne"]  # no temporary folder left
