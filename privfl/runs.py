@@ -112,7 +112,7 @@ def output_path(parent: Path, name: str, what: str = "--name") -> Path:
     return final
 
 
-def write_output_folder(final: Path, write: Callable[[Path], None], *, by: str) -> Path:
+def write_output_folder(final: Path, write: Callable[[Path], object], *, by: str) -> Path:
     """Run ``write(folder)`` on a fresh temporary folder beside ``final`` and swap it in whole
     (:func:`swap_in_folder`): a killed attack or analysis leaves the previous result, never half a new
     one. The temporary folder is this call's own, and is all it removes on failure."""
