@@ -612,24 +612,27 @@ def store_symlink(run: Path, target: str, ctx: Ctx) -> str | None:
 
 
 # -- run files
-def file_symlink(run: Path, target: str, ctx: Ctx) -> str | None:
+def run_file(run: Path, target: str) -> str | None:
+    """``target`` inside ``run`` (``checkpoint/STATE``: the state file the pointer names), None if absent."""
     if target == "checkpoint/STATE":
-        info = read_json(run / "checkpoint" / "checkpoint.json")
-        target = f"checkpoint/{info['file']}"
-    if not (run / target).is_file():
+        target = f"checkpoint/{read_json(run / 'checkpoint' / 'checkpoint.json')['file']}"
+    return target if (run / target).is_file() else None
+
+
+def file_symlink(run: Path, target: str, ctx: Ctx) -> str | None:
+    found = run_file(run, target)
+    if found is None:
         return None
-    move_outside(run, target, ctx.outside)
+    move_outside(run, found, ctx.outside)
     return "symlink to an identical copy outside"
 
 
 def file_delete(run: Path, target: str, ctx: Ctx) -> str | None:
-    if target == "checkpoint/STATE":
-        info = read_json(run / "checkpoint" / "checkpoint.json")
-        target = f"checkpoint/{info['file']}"
-    if not (run / target).is_file():
+    found = run_file(run, target)
+    if found is None:
         return None
-    (run / target).unlink()
-    return f"{target} deleted"
+    (run / found).unlink()
+    return f"{found} deleted"
 
 
 def _partition_op(op: Callable[[dict[str, Any]], str | None]) -> Apply:

@@ -325,9 +325,19 @@ def save_config(cfg: TrainConfig, run_dir: Path) -> None:
 
     data = dataclasses.asdict(cfg)
     atomic_write_text(run_dir / "config.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(run_dir / "config.toml", config_toml_text(data))
+
+
+def config_toml_text(data: dict[str, Any]) -> str:
+    return tomli_w.dumps(config_toml_data(data))
+
+
+def config_toml_data(data: dict[str, Any]) -> dict[str, Any]:
+    """What ``config.toml`` holds of a resolved config (as saved in ``config.json``; TOML has no null):
+    verify compares it with the parsed ``config.toml``."""
     toml_data = {k: v for k, v in data.items() if v is not None and k != "options"}
-    toml_data["options"] = {k: v for k, v in data["options"].items() if v is not None}
-    atomic_write_text(run_dir / "config.toml", tomli_w.dumps(toml_data))
+    toml_data["options"] = {k: v for k, v in (data.get("options") or {}).items() if v is not None}
+    return toml_data
 
 
 def load_saved_config(run_dir: Path) -> dict[str, Any]:

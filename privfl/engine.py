@@ -372,12 +372,7 @@ class Trainer:
     def write_metrics(self) -> None:
         lines = "".join(json.dumps(h, sort_keys=True) + "\n" for h in self.history)
         atomic_write_text(self.run_dir / "metrics.jsonl", lines)
-        cols = ["round", "acc", "acc_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, cols, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(self.history)
-        atomic_write_text(self.run_dir / "metrics.csv", buf.getvalue())
+        atomic_write_text(self.run_dir / "metrics.csv", metrics_csv_text(self.history))
 
     def write_summary(self) -> dict[str, Any]:
         final = self.history[-1]
@@ -403,6 +398,16 @@ class Trainer:
         }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def metrics_csv_text(history: Sequence[dict[str, Any]]) -> str:
+    """``metrics.csv``: the main per-round columns of ``metrics.jsonl`` (verify compares the two)."""
+    cols = ["round", "acc", "acc_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, cols, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(history)
+    return buf.getvalue()
 
 
 def parse_rounds(text: str, rounds: int) -> frozenset[int]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from privfl.capture.store import STRAY_TEMP, TensorStore
+from privfl.capture.store import STRAY_TEMP, TensorStore, read_contained
 from privfl.channel import summarize_comm
 from privfl.errors import PrivflError
 from privfl.kinds import KINDS, parse_directions
@@ -313,12 +313,38 @@ def _check_partition(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> N
             report.add("truth", "partition.safetensors names a sample in more than one client split")
 
 
+def _check_copies(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None:
+    """The files privfl writes twice agree: ``config.toml`` with ``config.json`` (as parsed), ``metrics.csv``
+    with ``metrics.jsonl`` (rewritten from it, byte for byte)."""
+    from privfl.config import config_toml_data, tomllib
+    from privfl.engine import metrics_csv_text
+
+    try:
+        toml = read_contained(run_dir, run_dir / "config.toml", "config.toml", limit=1 << 20)
+        if tomllib.loads(toml.decode()) != config_toml_data(facts.config):
+            report.add("files", "config.toml differs from config.json")
+    except PrivflError as exc:
+        report.add("files", str(exc))
+    except (ValueError, TypeError):  # not UTF-8 or not TOML
+        report.add("files", f"{run_dir / 'config.toml'} is not the TOML privfl writes")
+    path = run_dir / "metrics.csv"
+    if not facts.metrics and not path.exists():
+        return  # no round completed yet
+    try:
+        if read_contained(run_dir, path, "metrics.csv", limit=1 << 28) != metrics_csv_text(facts.metrics).encode():
+            report.add("files", "metrics.csv differs from metrics.jsonl")
+    except PrivflError as exc:
+        report.add("files", str(exc))
+
+
 def _check_summary(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None:
     """``summary.json`` (written when the run finished) says what the metrics say."""
     from privfl.run import _read_json
 
     path = run_dir / "summary.json"
     if not path.exists() and not path.is_symlink():
+        if len(facts.metrics) == facts.rounds:
+            report.add("files", "summary.json is missing though every round completed (a kill before it was written: --resume writes it)")
         return
     try:
         summary = _read_json(path, "summary.json")
@@ -394,6 +420,7 @@ def verify_run(run_dir: str | Path) -> VerifyReport:
         report.add("files", f"summary.json says the run finished, but metrics.jsonl has {len(rounds)} of {facts.rounds} rounds")
     _check_checkpoint(run_dir, facts, report)
     _check_summary(run_dir, facts, report)
+    _check_copies(run_dir, facts, report)
     if not facts.config.get("capture", True):
         report.notes.append("trained with --no-capture: nothing was captured")
         return report
