@@ -36,12 +36,13 @@ from __future__ import annotations
 import enum
 import fnmatch
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from privfl.codecs import svd_decode
 from privfl.errors import PrivflError
 from privfl.registry import Registry
 
@@ -193,6 +194,9 @@ class ArtifactKind:
     soft_label: str | None = None
     #: extra tensors beyond the declared ones are refused (False: a method may add its own)
     closed: bool = True
+    #: for a kind that travels compressed: tensors as sent -> the dense tensors the receiver (and an
+    #: attacker, through ``AttackerView.load``) works with; the capture keeps what was sent
+    decode: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))
@@ -214,6 +218,10 @@ class ArtifactKind:
     @property
     def aux_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tensors if t.role == "aux" and not t.is_pattern)
+
+    def dense(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors a receiver works with: decoded when the kind travels compressed, else as sent."""
+        return self.decode(tensors) if self.decode is not None else dict(tensors)
 
     def meta_specs(self) -> tuple[MetaSpec, ...]:
         return (*COMMON_META, *self.meta)
@@ -483,6 +491,33 @@ for _kind in (
             MetaSpec("target_bias", "bool", directions=frozenset({"down"}), doc="whether the target layer has a bias"),
         ),
         closed=False,
+    ),
+    ArtifactKind(
+        "shared_model",
+        Family.PARAMETERS,
+        "a homogeneous model shared next to each client's private model (FML's meme model, FedAPEN's shared model)",
+        _STATE,
+        (_samples(), _lr()),
+        closed=False,
+    ),
+    ArtifactKind(
+        "svd_model",
+        Family.PARAMETERS,
+        "model parameters sent as truncated SVD factors NAME@u, NAME@s, NAME@v (FedKD's mentee; privfl.codecs)",
+        _STATE,
+        (
+            _samples(),
+            _lr(),
+            MetaSpec("energy", "number", required=True, doc="the energy threshold the factors keep (FedKD's T)"),
+        ),
+        closed=False,
+        decode=svd_decode,
+    ),
+    ArtifactKind(
+        "label_counts",
+        Family.STATISTICS,
+        "how many training samples of each class the sender holds (FedGen's label distribution)",
+        (TensorSpec("counts", dtype="int", ndim=1, doc="(C,) samples per class"),),
     ),
     ArtifactKind("generator", Family.GENERATOR, "generator parameters", _STATE, closed=False),
     ArtifactKind(

@@ -309,12 +309,19 @@ class AttackerView:
         return out
 
     def load(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """A message's tensors (checksum verified; a few recent ones cached)."""
+        """A message's tensors as its receiver works with them (checksum verified; decoded when its kind
+        travels compressed, e.g. ``svd_model``; a few recent ones cached)."""
         key = str(record["sha256"])
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key]
         tensors = self.capture.load(record)
+        spec = KINDS.get(record["kind"]) if record["kind"] in KINDS else None
+        if spec is not None and spec.decode is not None:
+            try:
+                tensors = spec.dense(tensors)
+            except ValueError as exc:
+                raise CaptureError(f"message seq {record.get('seq')} ({record['kind']}) cannot be decoded: {exc}") from None
         self._loaded[key] = tensors
         if len(self._loaded) > self._CACHE:
             self._loaded.popitem(last=False)

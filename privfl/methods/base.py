@@ -210,9 +210,15 @@ class FLMethod:
     Options: ClassVar[type] = NoOptions
     requires_homogeneous: ClassVar[bool] = False
     paper: ClassVar[str] = ""
+    #: submodules of the client model that a received global message overwrites ("" = the whole model).
+    #: ``--eval personal`` scores each client with them as they were after its own last local training
+    #: (:meth:`fit` keeps that copy); ``--eval global`` with what it holds at the end of the round.
+    personal_parts: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, env: FLEnv):
         self.env = env
+        #: client name -> {part: its tensors after the client's last local training} (personal evaluation)
+        self.personal: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         self.opts = env.opts
         self.cfg = env.cfg
         self.trainer = env.trainer if env.trainer is not None else LocalTrainer(env.cfg, env.data)
@@ -274,7 +280,13 @@ class FLMethod:
         raise NotImplementedError
 
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
+        """Class scores of ``client`` as the method infers at the end of a round (``--eval global``)."""
         return client.model(x)
+
+    def predict_personal(self, client: Client, x: torch.Tensor) -> torch.Tensor:
+        """Class scores with the client's own parts (``--eval personal``; :attr:`personal_parts` are
+        already swapped back to their state after local training). Default: :meth:`predict`."""
+        return self.predict(client, x)
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return {}
@@ -313,8 +325,15 @@ class FLMethod:
         return self.fit(rnd, client, objective).loss
 
     def fit(self, rnd: int, client: Client, objective=None, **hooks: Any) -> LocalStats:
-        """:meth:`LocalTrainer.fit` on one client (objective, parameters, optimizer, before_step, epochs)."""
-        return self.trainer.fit(rnd, client, objective, **hooks)
+        """:meth:`LocalTrainer.fit` on one client (objective, parameters, optimizer, before_step, epochs);
+        afterwards keeps a copy of the client's :attr:`personal_parts` for personal evaluation."""
+        stats = self.trainer.fit(rnd, client, objective, **hooks)
+        if self.personal_parts:
+            model = client.model
+            self.personal[client.name] = {
+                part: {k: v.clone() for k, v in module_tensors(model.get_submodule(part) if part else model).items()} for part in self.personal_parts
+            }
+        return stats
 
     @torch.no_grad()
     def representations(self, client: Client, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
