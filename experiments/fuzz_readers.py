@@ -95,7 +95,7 @@ def build_base_run(run_dir: Path) -> Path:
     from privfl.config import build_config, save_config
     from privfl.data.datasets import FASHION_MNIST_CLASSES
     from privfl.data.partition import split_train_test
-    from privfl.engine import knowledge_rounds_text, metrics_csv_text
+    from privfl.engine import knowledge_rounds_text, metrics_csv_text, summary_accuracies
     from privfl.methods import resolve_method
     from privfl.methods.base import EXPOSURES
 
@@ -151,14 +151,14 @@ def build_base_run(run_dir: Path) -> Path:
         head = {k: v + 0.01 for k, v in head.items()}
         channel.broadcast(rnd, clients, "head", head)
         records = channel.end_round()
-        history.append({"round": rnd, "acc": 0.5, "selected": list(range(CLIENTS)), "comm": summarize_comm(records)})
+        history.append({"round": rnd, "acc": 0.5, "acc_std": 0.0, "selected": list(range(CLIENTS)), "comm": summarize_comm(records)})
     for k, name in enumerate(clients):
         spec = {"arch": archs[k], "image_size": 28, "in_channels": 1, "mapping": cfg.mapping, "num_classes": CLASSES, "rep_dim": REP_DIM}
         knowledge.append({"round": ROUNDS - 1, "client": name, "kind": "extractor", "arch": archs[k], "spec": spec}, {"w": torch.ones(2, 3) * k})
     knowledge.flush()
     atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
     atomic_write_text(run_dir / "metrics.csv", metrics_csv_text(history))
-    summary = {"method": "fedre", "dataset": "fashionmnist", "clients": CLIENTS, "rounds": ROUNDS, "final_acc": 0.5, "best_acc": 0.5, "best_round": 0}
+    summary = {"method": "fedre", "dataset": "fashionmnist", "clients": CLIENTS, "rounds": ROUNDS, **summary_accuracies(history)}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     state = {f"client{k}.head.{p}": v.clone() for k in range(CLIENTS) for p, v in head.items()}
     state.update({f"method.head.{p}": v.clone() for p, v in head.items()})

@@ -91,6 +91,15 @@ class TrainConfig:
     optimizer: str = opt("sgd", "local optimizer: sgd or adam")
     momentum: float = opt(0.0, "SGD momentum", min=0)
     weight_decay: float = opt(0.0, "weight decay", min=0)
+    shuffle: bool = opt(True, "reshuffle each client's batches every epoch (--no-shuffle: fixed order, as HtFLlib's loaders)")
+    drop_last: bool = opt(False, "drop each epoch's last partial batch (HtFLlib does; a client smaller than a batch then trains nothing)")
+    same_init: bool = opt(False, "clients with the same architecture start from one initialisation (parity runs with HtFLlib/PFLlib)")
+    eval: str = opt(
+        "both",
+        "evaluation protocol: global (each client's model with the latest global part it received, as HtFLlib), "
+        "personal (with its own parts after its last local training), or both",
+        choices=("global", "personal", "both"),
+    )
     eval_batch_size: int = opt(512, "batch size for evaluation and representation passes", min=1)
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")

@@ -182,7 +182,7 @@ class Trainer:
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
         clients = []
         for k, arch in enumerate(archs):
-            seed_global(cfg.seed, "init", k)
+            seed_global(cfg.seed, "init", f"arch:{arch}" if cfg.same_init else k)  # --same-init: one draw per architecture
             model = self.method_cls.build_client_model(
                 ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
             ).to(self.device)
@@ -227,6 +227,8 @@ class Trainer:
         for c in self.clients:
             state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
         state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
+        for client, parts in self.method.personal.items():  # what --eval personal swaps in (resume scores the same)
+            state.update({f"personal.{client}/{part}/{k}": v for part, tensors in parts.items() for k, v in tensors.items()})
         name = f"state-r{rnd:05d}.safetensors"
         data = st_save({k: v.detach().contiguous().cpu() for k, v in state.items()})
         atomic_write_bytes(ckpt / name, data)
@@ -258,6 +260,11 @@ class Trainer:
             prefix = f"{c.name}."
             c.model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
+        self.method.personal = {}
+        for key, value in state.items():
+            if key.startswith("personal."):
+                client, part, name = key.removeprefix("personal.").split("/", 2)
+                self.method.personal.setdefault(client, {}).setdefault(part, {})[name] = value
         self.history = info["history"]
         for defense, state in zip(self.defenses, info.get("defenses", [])):
             defense.load_state(state)
@@ -290,18 +297,48 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        """Test accuracy under the run's protocol(s) (``--eval``): ``acc``/``acc_std``/``client_acc`` for
+        the main one (global, or personal when only that is asked), plus ``acc_personal*`` with ``both``.
+        A method that has no personal parts and no personal predictor scores the same under both, so
+        it is evaluated once."""
+        protocol = self.cfg.eval
+        main = self._score(personal=protocol == "personal")
+        if protocol != "both":
+            return main
+        personal = self._score(personal=True) if self.personal_differs else main
+        return {**main, **{k.replace("acc", "acc_personal", 1): v for k, v in personal.items()}}
+
+    @property
+    def personal_differs(self) -> bool:
+        m = type(self.method)
+        return bool(m.personal_parts) or m.predict_personal is not FLMethod.predict_personal
+
+    def _score(self, *, personal: bool) -> dict[str, Any]:
         """Per-client test accuracy; the mean is sample-weighted (sum correct / sum test samples), the
-        std is across clients (HtFLlib's convention)."""
+        std is across clients (HtFLlib's convention). ``personal``: each client's personal parts as they
+        were after its last local training are swapped in for the evaluation (then swapped back)."""
         correct, totals = [], []
         for c in self.clients:
             c.model.eval()
+            kept = self.method.personal.get(c.name, {}) if personal else {}
+            current = {part: self._part(c, part).state_dict() for part in kept}
+            current = {part: {k: v.clone() for k, v in sd.items()} for part, sd in current.items()}
+            for part, tensors in kept.items():
+                self._part(c, part).load_state_dict(tensors)
+            predict = self.method.predict_personal if personal else self.method.predict
             hits = 0
             for x, y in self.data.batches(c.test_idx, self.cfg.eval_batch_size):
-                hits += int((self.method.predict(c, x).argmax(1) == y).sum())
+                hits += int((predict(c, x).argmax(1) == y).sum())
+            for part, tensors in current.items():
+                self._part(c, part).load_state_dict(tensors)
             correct.append(hits)
             totals.append(len(c.test_idx))
         accs = np.array(correct) / np.maximum(np.array(totals), 1)
         return {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
+
+    @staticmethod
+    def _part(client: Client, part: str) -> torch.nn.Module:
+        return client.model.get_submodule(part) if part else client.model
 
     def select(self, rnd: int) -> list[Client]:
         if self.topology.kind == "ring":
@@ -345,6 +382,7 @@ class Trainer:
                 "round": rnd,
                 "acc": ev["acc"],
                 "acc_std": ev["acc_std"],
+                **{k: ev[k] for k in ("acc_personal", "acc_personal_std") if k in ev},
                 **{k: float(v) for k, v in extra.items()},
                 "selected": [c.index for c in selected],
                 "upload_scalars": comm.get("up", {}).get("paper_scalars", 0),
@@ -357,6 +395,7 @@ class Trainer:
                 "peer_bytes": comm.get("peer", {}).get("bytes", 0),
                 "comm": comm,
                 "client_acc": ev["client_acc"],
+                **({"client_acc_personal": ev["client_acc_personal"]} if "client_acc_personal" in ev else {}),
                 **({"defenses": {d.spec: d.report() for d in self.defenses}} if self.defenses else {}),
                 "seconds": round(time.perf_counter() - t0, 3),
             }
@@ -376,18 +415,14 @@ class Trainer:
 
     def write_summary(self) -> dict[str, Any]:
         final = self.history[-1]
-        best = max(self.history, key=lambda h: h["acc"])
         rounds = len(self.history)
         summary = {
             "method": self.cfg.method,
             "dataset": self.cfg.dataset,
             "clients": self.cfg.num_clients,
             "rounds": rounds,
-            "final_acc": final["acc"],
-            "final_acc_std": final["acc_std"],
-            "best_acc": best["acc"],
-            "best_acc_std": best["acc_std"],
-            "best_round": best["round"],
+            "eval": self.cfg.eval,
+            **summary_accuracies(self.history),
             "per_round": {k: sum(h.get(k, 0) for h in self.history) / rounds for k in COMM_COLUMNS},
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
@@ -400,9 +435,31 @@ class Trainer:
         return summary
 
 
+def summary_accuracies(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Final and best accuracy (± std across clients) of each protocol in the metrics: ``final_acc``,
+    ``best_acc``, ``best_round``, and ``*_personal`` when the run evaluated both (verify compares them)."""
+    out: dict[str, Any] = {}
+    for suffix in ("", "_personal"):
+        key = "acc" + suffix
+        rows = [h for h in history if key in h]
+        if not rows:
+            continue
+        best = max(rows, key=lambda h: h[key])
+        out.update(
+            {
+                f"final_acc{suffix}": rows[-1][key],
+                f"final_acc{suffix}_std": rows[-1][f"{key}_std"],
+                f"best_acc{suffix}": best[key],
+                f"best_acc{suffix}_std": best[f"{key}_std"],
+                f"best_round{suffix}": best["round"],
+            }
+        )
+    return out
+
+
 def metrics_csv_text(history: Sequence[dict[str, Any]]) -> str:
     """``metrics.csv``: the main per-round columns of ``metrics.jsonl`` (verify compares the two)."""
-    cols = ["round", "acc", "acc_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
+    cols = ["round", "acc", "acc_std", "acc_personal", "acc_personal_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, cols, extrasaction="ignore")
     writer.writeheader()

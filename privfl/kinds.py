@@ -424,6 +424,7 @@ for _kind in (
         Family.AGGREGATE_REPRESENTATION,
         "per-class global prototypes broadcast by a server",
         (TensorSpec("protos", ndim=2, doc="(m, d)"), TensorSpec("classes", dtype="int", ndim=1, role="aux", doc="(m,) class ids")),
+        (MetaSpec("role", "str", required=False, doc="which global prototypes when a method sends several sets (FPL: cluster, unbiased)"),),
         vectors="protos",
         classes="classes",
     ),

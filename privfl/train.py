@@ -228,8 +228,21 @@ def print_summary(s: dict) -> None:
     table = Table(title=f"{s['method']} on {s['dataset']}: {s['clients']} clients, {s['rounds']} rounds, {s['train_seconds']:.1f} s")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("final mean test accuracy (sample-weighted ± std over clients)", f"{100 * s['final_acc']:.2f} ± {100 * s['final_acc_std']:.2f} %")
+    protocol = "personal" if s.get("eval") == "personal" else "global"
+    table.add_row(
+        f"final mean test accuracy, {protocol} evaluation (sample-weighted ± std over clients)",
+        f"{100 * s['final_acc']:.2f} ± {100 * s['final_acc_std']:.2f} %",
+    )
     table.add_row(f"best mean test accuracy (round {s['best_round']})", f"{100 * s['best_acc']:.2f} ± {100 * s['best_acc_std']:.2f} %")
+    if "final_acc_personal" in s:
+        table.add_row(
+            "final accuracy, personal evaluation (own parts after local training)",
+            f"{100 * s['final_acc_personal']:.2f} ± {100 * s['final_acc_personal_std']:.2f} %",
+        )
+        table.add_row(
+            f"best accuracy, personal evaluation (round {s['best_round_personal']})",
+            f"{100 * s['best_acc_personal']:.2f} ± {100 * s['best_acc_personal_std']:.2f} %",
+        )
     p = s["per_round"]
     table.add_row(
         "upload per round: scalars (paper-style / incl. labels)", f"{_fmt_count(p['upload_scalars'])} / {_fmt_count(p['upload_scalars_full'])}"

@@ -355,9 +355,14 @@ def _check_summary(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> Non
     if not isinstance(summary, dict) or not rows or not all(isinstance(r.get("acc"), (int, float)) for r in rows):
         report.add("files", f"{path} or metrics.jsonl does not hold the run's accuracies")
         return
-    best = max(rows, key=lambda r: r["acc"])
-    stated = (summary.get("rounds"), summary.get("final_acc"), summary.get("best_acc"), summary.get("best_round"))
-    if stated != (len(rows), rows[-1]["acc"], best["acc"], best["round"]):
+    from privfl.engine import summary_accuracies
+
+    try:
+        expected = {"rounds": len(rows), **summary_accuracies(rows)}
+    except (KeyError, TypeError, ValueError):
+        report.add("files", "metrics.jsonl's accuracy columns are incomplete")
+        return
+    if any(summary.get(k) != v for k, v in expected.items()):
         report.add("files", "summary.json's rounds, final or best accuracy differ from metrics.jsonl")
 
 

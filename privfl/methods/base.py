@@ -63,12 +63,15 @@ class DataView:
         x = self.images[idx].float().div_(255.0).sub_(self.mean).div_(self.std)
         return x, self.labels[idx]
 
-    def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None, *, drop_last: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches over ``idx``; shuffled when a generator is given. The last partial batch is kept
-        (a client with fewer samples than a batch still trains; HtFLlib drops it)."""
+        unless ``drop_last`` (HtFLlib drops it: a client with fewer samples than a batch then trains nothing)."""
         if generator is not None:
             idx = idx[torch.randperm(len(idx), generator=generator).to(idx.device)]
-        for start in range(0, len(idx), batch_size):
+        end = len(idx) - len(idx) % batch_size if drop_last else len(idx)
+        for start in range(0, end, batch_size):
             yield self.batch(idx[start : start + batch_size])
 
 
@@ -356,6 +359,8 @@ class GlobalModelServer(FLMethod):
     """
 
     requires_homogeneous = True
+    #: the broadcast overwrites the whole model: ``--eval personal`` scores the locally trained one
+    personal_parts = ("",)
 
     def __init__(self, env):
         super().__init__(env)

@@ -31,7 +31,12 @@ class HeadServerOptions:
 
 
 class GlobalHeadServer(FLMethod):
-    """Shared part of the methods whose server owns one global head it broadcasts to every client."""
+    """Shared part of the methods whose server owns one global head it broadcasts to every client.
+
+    ``--eval global`` scores each client with the broadcast head (HtFLlib); ``personal`` with the head
+    it trained itself this round (the broadcast overwrites it)."""
+
+    personal_parts = ("head",)
 
     def __init__(self, env):
         super().__init__(env)

@@ -127,6 +127,10 @@ class FedProto(FLMethod):
         dist[:, ~known] = float("inf")
         return -dist
 
+    def predict_personal(self, client: Client, x: torch.Tensor) -> torch.Tensor:
+        """``--eval personal``: the client's own head (FedProto never overwrites it)."""
+        return client.model(x)
+
     def server_state(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, (protos, known) in self.received.items():

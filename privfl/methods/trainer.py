@@ -4,7 +4,8 @@ What makes a run reproducible and resumable lives here once: the model is put in
 global RNG (dropout, noise) is seeded from (seed, "local", round, client), a fresh optimizer is made
 for the round (plain SGD carries no state between rounds; Adam's state is per round too, so a
 resumed run repeats it exactly), and each epoch's batches are shuffled by a generator seeded from
-(seed, "shuffle", round, client, epoch). The last partial batch is kept.
+(seed, "shuffle", round, client, epoch). The last partial batch is kept. ``--no-shuffle --drop-last``
+gives HtFLlib's data order instead (fixed order, last partial batch dropped) for parity runs.
 
 A method changes *what* is minimised, not the loop:
 
@@ -71,6 +72,8 @@ class LocalTrainer:
 
     def __init__(self, cfg: Any, data: Any):
         self.cfg, self.data = cfg, data
+        self.shuffle = bool(getattr(cfg, "shuffle", True))
+        self.drop_last = bool(getattr(cfg, "drop_last", False))
 
     def make_optimizer(self, params: Iterable[Any], *, lr: float | None = None, optimizer: str | None = None) -> torch.optim.Optimizer:
         """The run's optimizer (``--optimizer``, ``--lr``, ``--momentum``, ``--weight-decay``) over ``params``
@@ -107,8 +110,8 @@ class LocalTrainer:
         total, steps = 0.0, 0
         parts: dict[str, float] = {}
         for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
-            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch)
-            for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen):
+            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch) if self.shuffle else None
+            for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last):
                 out = objective(model, x, y)
                 loss, extra = (out, {}) if isinstance(out, torch.Tensor) else out
                 opt.zero_grad(set_to_none=True)
