@@ -378,7 +378,7 @@ class Trainer:
                 self.knowledge_store.flush()
             ev = self.evaluate()
             comm = summarize_comm(r for r in records if r.get("meta", {}).get("phase") != "setup")
-            entry = {
+            entry: dict[str, Any] = {
                 "round": rnd,
                 "acc": ev["acc"],
                 "acc_std": ev["acc_std"],
