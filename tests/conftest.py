@@ -1,4 +1,9 @@
-"""Shared fixtures: the real dataset the suite trains on, and the kill-and-resume check written once."""
+"""Shared fixtures: the real dataset the suite trains on, and the kill-and-resume check written once.
+
+The suite runs on every core with pytest-xdist (``-n auto --dist loadfile``: one test file per worker,
+so a module's fixtures are built once). Each worker, and every subprocess a test starts, uses one
+torch thread: workers sharing the cores with several threads each slow each other down 10-30x.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
