@@ -64,8 +64,14 @@ DEFENSES: Registry[type[Defense]] = Registry("defense", discover=["defenses"], v
 
 
 def is_full_parameters(kind: str) -> bool:
-    """Whether ``kind`` carries full parameters (defended as an update relative to the last received state)."""
-    return kind in KINDS and KINDS.get(kind).form is ParamForm.PARAMETERS
+    """Whether ``kind`` carries full parameters (defended as an update relative to the last received state).
+
+    A kind that travels compressed (``decode``, e.g. ``svd_model``'s factors) is defended as sent, with
+    no reference: the factors of two states have different ranks and bases and cannot be subtracted."""
+    if kind not in KINDS:
+        return False
+    spec = KINDS.get(kind)
+    return spec.form is ParamForm.PARAMETERS and spec.decode is None
 
 
 @dataclass

@@ -504,7 +504,7 @@ for _kind in (
     ArtifactKind(
         "svd_model",
         Family.PARAMETERS,
-        "model parameters sent as truncated SVD factors NAME@u, NAME@s, NAME@v (FedKD's mentee; privfl.codecs)",
+        "model parameters sent as truncated SVD factors NAME@u, NAME@s, NAME@v (+ NAME@shape when reshaped; FedKD's mentee; privfl.codecs)",
         _STATE,
         (
             _samples(),
