@@ -120,7 +120,7 @@ class ImageDataset:
 
 
 Loader = Callable[[Path | None, bool], ImageDataset]
-DATASETS: Registry[Loader] = Registry("dataset")
+DATASETS: Registry[Loader] = Registry("dataset", discover=["privfl.data"])  # a built-in dataset is one module in privfl.data (toy.py)
 
 
 def load_dataset(name: str, root: str | Path | None = None, download: bool = False) -> ImageDataset:
