@@ -1,0 +1,173 @@
+"""Run HtFLlib's unchanged ``system/main.py`` in this process, as ``run_parity.py``'s subprocess.
+
+    python htfllib_launch.py --system HTFLLIB/system [--model EXPR]... [--threads 1] [--result FILE] -- MAIN.PY ARGS
+
+What this adds around ``main.py`` (which is executed as ``__main__`` with ``runpy``, from HtFLlib's own
+files; nothing of HtFLlib is copied or edited):
+
+* ``--model EXPR`` pins ``args.models`` (HtFLlib's list of model constructor strings, evaluated in
+  ``flcore/trainmodel/models.py``). ``main.py`` sets ``args.models`` from the ``-m`` family in ``run()``,
+  and no family holds a single 1-channel 28x28 ``FedAvgCNN`` (its families are heterogeneous or for
+  3-channel 32x32 images), so the namespace ``parse_args`` returns keeps the pinned list when
+  ``run()`` assigns the family's. Give ``-m`` any family that sets neither ``global_model`` nor
+  ``heads`` (``HtFE-img-2``).
+* ``main.py`` imports every server, among them FedKTL's, whose StyleGAN helpers need ``click`` and
+  ``requests`` and a working directory inside ``system/``, and FedL2G's, which needs ``higher``. Such a
+  server module that cannot be imported is replaced by a stub that refuses to run (neither method is
+  part of the parity table); every other import error still stops main.py.
+* torch's thread count (``--threads``, default 1), before anything runs.
+* ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``: HtFLlib keeps every client and server object as a pickled
+  module in its ``temp/`` folder (``torch.save``/``torch.load`` of whole models) and was written for
+  torch < 2.6, where ``torch.load`` unpickled by default; torch >= 2.6 refuses such files unless told.
+  The files are the ones this very process wrote a moment earlier.
+* Before training, one line ``PARITY-MODEL {json}``: client 0's ``BaseHeadSplit`` parameter names and
+  shapes, built on a forked RNG (nothing of HtFLlib's seeding changes). After training, one line
+  ``PARITY-RESULT {json}`` with the results file's ``rs_test_acc`` (read with h5py, which HtFLlib needs
+  anyway), also written to ``--result`` if given.
+
+Run it with HtFLlib's data and results reachable from the working directory as ``../dataset/<NAME>``
+and ``../results`` (``run_parity.py`` uses a scratch folder, so nothing is written into HtFLlib's copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import sys
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: servers that need packages or files beyond torch/numpy/sklearn/h5py (FedKTL: StyleGAN helpers with
+#: click/requests and a working directory inside system/; FedL2G: ``higher``). main.py imports them all,
+#: the parity table runs none of them: the class each module exports, by module
+OPTIONAL_SERVERS = {
+    "flcore.servers.serverktl_stylegan_xl": "FedKTL",
+    "flcore.servers.serverktl_stylegan_3": "FedKTL",
+    "flcore.servers.serverktl_stable_diffusion": "FedKTL",
+    "flcore.servers.serverl2g_feat": "FedL2G",
+    "flcore.servers.serverl2g_logit": "FedL2G",
+}
+
+
+def _stub(name: str, cls_name: str, reason: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{name} could not be imported here ({reason}); the parity harness does not run {cls_name}")
+
+    setattr(module, cls_name, type(cls_name, (), {"__init__": refuse}))
+    return module
+
+
+def stub_optional_servers() -> list[str]:
+    """Import the optional server modules, or put a stub that refuses to run in their place; returns
+    the stubbed names with the reason."""
+    stubbed = []
+    for name, cls_name in OPTIONAL_SERVERS.items():
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a missing package, or a cwd outside system/
+            reason = f"{type(exc).__name__}: {exc}"
+            sys.modules[name] = _stub(name, cls_name, reason)
+            stubbed.append(f"{name} ({reason})")
+    return stubbed
+
+
+def describe_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Client 0's model as HtFLlib builds it: parameter names and shapes (on a forked RNG)."""
+    import torch
+    from flcore.trainmodel.models import BaseHeadSplit  # type: ignore[import-not-found]  # HtFLlib's, on sys.path at run time
+
+    with torch.random.fork_rng():
+        model = BaseHeadSplit(args, 0)
+    return {
+        "constructor": args.models[0],
+        "params": [[name, list(p.shape)] for name, p in model.named_parameters()],
+        "modules": repr(model),
+    }
+
+
+def pin_models(models: list[str], on_parsed: Any) -> None:
+    """Make ``ArgumentParser.parse_args`` return a namespace whose ``models`` stays ``models``."""
+
+    class PinnedNamespace(argparse.Namespace):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "models" and "models" in self.__dict__:
+                return  # main.run() assigns its family's list: keep the pinned one
+            super().__setattr__(name, value)
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(self: argparse.ArgumentParser, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        if namespace is None and self.prog == "main.py":
+            namespace = PinnedNamespace(models=list(models)) if models else PinnedNamespace()
+            parsed = original(self, args, namespace)
+            on_parsed(parsed)
+            return parsed
+        return original(self, args, namespace)
+
+    argparse.ArgumentParser.parse_args = parse_args  # type: ignore[method-assign,assignment]
+
+
+def read_results(args: argparse.Namespace) -> dict[str, Any]:
+    """``../results/<dataset>_<algorithm>_<goal>_<times-1>.h5`` as main.py wrote it (run i = 0 .. times-1)."""
+    h5py = importlib.import_module("h5py")
+    out: dict[str, Any] = {"runs": []}
+    for i in range(args.prev, args.times):
+        path = Path("..") / "results" / f"{args.dataset}_{args.algorithm}_{args.goal}_{i}.h5"
+        with h5py.File(path, "r") as hf:
+            out["runs"].append({"file": str(path.resolve()), "rs_test_acc": [float(a) for a in hf["rs_test_acc"][()]]})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("htfllib_launch.py: error: give main.py's arguments after --", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="htfllib_launch.py")
+    p.add_argument("--system", required=True, help="HtFLlib's system/ folder (holding main.py)")
+    p.add_argument("--model", action="append", default=[], help="pin args.models to these constructor strings (repeatable)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--result", help="also write the PARITY-RESULT JSON here")
+    ns = p.parse_args(argv[:cut])
+    system = Path(ns.system).resolve()
+    main_py = system / "main.py"
+    if not main_py.is_file():
+        print(f"htfllib_launch.py: error: {main_py} does not exist (--system takes HtFLlib's system/ folder)", file=sys.stderr)
+        return 2
+
+    os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # see the module docstring
+    import torch
+
+    torch.set_num_threads(ns.threads)
+    sys.path.insert(0, str(system))
+    stubbed = stub_optional_servers()
+    if stubbed:
+        print(f"PARITY-STUBBED {json.dumps(stubbed)}", flush=True)
+
+    parsed: dict[str, argparse.Namespace] = {}
+
+    def on_parsed(args: argparse.Namespace) -> None:
+        parsed["args"] = args
+        print(f"PARITY-MODEL {json.dumps(describe_model(args))}", flush=True)
+
+    pin_models(ns.model, on_parsed)  # no --model: nothing pinned, the arguments are still seen
+
+    sys.argv = [str(main_py), *argv[cut + 1 :]]
+    runpy.run_path(str(main_py), run_name="__main__")
+    result = {"threads": torch.get_num_threads(), **read_results(parsed["args"])}
+    print(f"PARITY-RESULT {json.dumps(result)}", flush=True)
+    if ns.result:
+        Path(ns.result).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

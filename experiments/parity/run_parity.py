@@ -1,0 +1,765 @@
+"""Side-by-side parity table: privfl and HtFLlib trained on the same partition with the same settings.
+
+For every method of ``--methods`` and every seed of ``--seeds``, one after the other (never two at once),
+each with one torch thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``):
+
+1. **privfl**: ``python -m privfl.train METHOD`` with the table's setting (default: Fashion-MNIST, a seeded
+   3,000-sample subset, 10 clients, Dir(0.1), ``homo-cnn4``, SGD lr 0.01, batch 10, 1 local epoch, 20
+   rounds, join ratio 1) in HtFLlib's data order and initialisation (``--same-init --no-shuffle
+   --drop-last``), ``--eval both``, ``--device cpu``; plus the method options that make privfl behave as
+   HtFLlib where privfl offers a choice (``PARITY`` below: FedProto's uniform prototype average, FD's raw
+   logit targets, ...). ``--set METHOD.KEY=VALUE`` changes a method option (it then reaches HtFLlib too).
+2. **export**: that run's partition, written in HtFLlib's dataset layout by ``export_htfllib.py`` (same
+   samples, same order, privfl's normalised float32 inputs), once per partition.
+3. **HtFLlib**: its unchanged ``system/main.py`` through ``htfllib_launch.py`` in a scratch working
+   directory under ``--out`` (nothing is written into ``--htfllib``), ``-algo`` from ``PARITY`` and every
+   hyperparameter from the privfl run's resolved config: ``-lr -lbs -ls -gr -nc -jr 1 -fd`` and the
+   method's own (FedProto ``-lam``, FedGH ``-slr -se``, FedTGP ``-lam -se -mart``, FedKD ``-mlr -Ts -Te``,
+   FedGen ``-nd -hd -glr -se``, FD ``-lam``, FML ``-al -bt``). The homogeneous CNN is HtFLlib's
+   ``FedAvgCNN(in_features=C, dim=64*s*s)``, pinned by the launcher (no ``-m`` family holds it alone).
+4. **parse**: privfl's ``metrics.jsonl`` and HtFLlib's results file (``rs_test_acc``) and printed
+   ``time cost`` per round.
+
+**Round alignment.** HtFLlib evaluates at the *start* of each round: with ``-gr R`` it evaluates R+1 times,
+``rs_test_acc[0]`` being the untrained models and ``rs_test_acc[r]`` the models after r rounds of
+training (it then trains an (R+1)-th round that is never evaluated). privfl evaluates at the *end* of
+each round: its round r (0-based, ``metrics.jsonl``) is the models after r+1 rounds. So privfl's
+end-of-round-r evaluation corresponds to HtFLlib's evaluation at the start of round r+1; "final" is
+privfl's round R-1 against HtFLlib's ``rs_test_acc[R]``, and "best" is the maximum over those R aligned
+evaluations (HtFLlib's own "best accuracy" also counts the untrained round 0, which never wins here).
+
+**Accuracy.** Both sides: correct / total test samples over all clients (sample-weighted). privfl's
+global protocol scores each client with the latest global part it received, as HtFLlib does;
+privfl's personal protocol (own parts after local training) has no HtFLlib counterpart. Besides final
+and best, the table gives the mean of the last 5 aligned evaluations: under Dir(0.1) a server-trained
+head (FedGH) moves the accuracy by several points from one round to the next on both sides, so one
+round's difference says little. ``--seeds 0,1,2`` adds a mean row per method (and its std in the JSON):
+each seed is its own partition and initialisation, so the spread of the per-seed differences is the
+noise a difference has to beat.
+
+**Time per round.** privfl: the mean of ``metrics.jsonl`` ``seconds`` (local training, server, every
+evaluation of ``--eval both``, checkpoint and capture writes). HtFLlib: the mean of its printed per-round
+``time cost`` over rounds 1..R, the figure its own ``Average time cost per round`` prints (evaluation at
+the start, local training, server, and its per-round torch.save/torch.load of every model in
+``temp/``). Both in one process with one thread, on the same machine; other load on it shows in both.
+
+Methods HtFLlib does not have (``fedavg``, ``fedre``) are trained on privfl's side only. Outputs under
+``--out`` (a new or empty folder): ``table.json``, ``table.csv``, ``table.txt``, ``privfl/`` (the runs),
+``htfllib/seed<S>/`` (``dataset/``, ``results/``, one log and result JSON per method)::
+
+    python experiments/parity/run_parity.py --htfllib PATH/TO/HtFLlib --methods local,fedavg,fedproto,fedgh,fedre
+    python experiments/parity/run_parity.py --htfllib PATH --methods fedproto --set fedproto.lamda=10 --rounds 5
+    python experiments/parity/run_parity.py --render runs/parity/table.json,runs/parity-s12/table.json --out runs/parity-all
+
+``PATH/TO/HtFLlib`` is a clone (the folder holding ``system/``). HtFLlib needs torch, torchvision, numpy,
+scikit-learn, h5py and calmsize; ``--htfllib-python`` (default: this interpreter) and
+``--htfllib-pythonpath DIR`` (prepended to its ``PYTHONPATH``, e.g. a ``pip install --target DIR h5py
+calmsize``) choose where they come from; a missing one is a one-line error before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from privfl.cli import ArgumentParser, run_cli
+from privfl.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+LAUNCHER = HERE / "htfllib_launch.py"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+Options = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Parity:
+    """How one privfl method is run on HtFLlib's side.
+
+    ``algo``: HtFLlib's ``-algo`` (None: HtFLlib has no such method). ``privfl``: method options that make
+    privfl do what HtFLlib does where privfl offers a choice (a function of the run's settings; an option
+    the method does not have is skipped and reported). ``flags``: HtFLlib's flags from the privfl run's
+    resolved options and config. ``mismatch``: what HtFLlib cannot express for those options (the row
+    is then refused)."""
+
+    algo: str | None
+    privfl: Callable[[Options], dict[str, Any]] = lambda cfg: {}
+    flags: Callable[[Options, Options], list[str]] = lambda opts, cfg: []
+    mismatch: Callable[[Options, Options], list[str]] = lambda opts, cfg: []
+    note: str = ""
+
+
+def _f(x: Any) -> str:
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def _need(cond: bool, text: str) -> list[str]:
+    return [] if cond else [text]
+
+
+PARITY: dict[str, Parity] = {
+    "local": Parity("Local"),
+    "fedavg": Parity(None, note="HtFLlib has no FedAvg (its sibling PFLlib has)"),
+    "fedre": Parity(None, note="HtFLlib has no FedRE"),
+    "fedproto": Parity(
+        "FedProto",
+        privfl=lambda cfg: {"weighting": "uniform"},  # HtFLlib averages the clients' prototypes unweighted
+        flags=lambda o, cfg: ["-lam", _f(o["lamda"])],
+        note="HtFLlib: prototypes averaged during local training (train mode); privfl: after it, in eval mode",
+    ),
+    "fedgh": Parity(
+        "FedGH",
+        flags=lambda o, cfg: ["-slr", _f(o["server_lr"]), "-se", _f(o["server_epochs"])],
+        mismatch=lambda o, cfg: _need(o["server_batch"] == cfg["batch_size"], "HtFLlib's FedGH server batch is -lbs: set fedgh.server_batch"),
+        note="HtFLlib's prototypes skip each client's last partial batch (drop_last); privfl's use every train sample",
+    ),
+    "lgfedavg": Parity("LG-FedAvg", privfl=lambda cfg: {"weighting": "samples"}),
+    "fedtgp": Parity(
+        "FedTGP",
+        privfl=lambda cfg: {"server_lr": cfg["lr"], "server_batch_size": cfg["batch_size"]},  # HtFLlib: the server uses -lr and -lbs
+        flags=lambda o, cfg: ["-lam", _f(o["lamda"]), "-se", _f(o["server_epochs"]), "-mart", _f(o["margin_threshold"])],
+        mismatch=lambda o, cfg: (
+            _need(o["server_lr"] == cfg["lr"], "HtFLlib's FedTGP server lr is -lr: set fedtgp.server_lr = lr")
+            + _need(o["server_batch_size"] == cfg["batch_size"], "HtFLlib's FedTGP server batch is -lbs")
+            + _need(o.get("hidden_dim") in (None, cfg["rep_dim"]), "HtFLlib's FedTGP generator is d wide: leave fedtgp.hidden_dim unset")
+        ),
+    ),
+    "fedkd": Parity(
+        "FedKD",
+        privfl=lambda cfg: {"mentee_arch": "client0", "weighting": "uniform", "conv_svd": "htfllib", "kl_reduction": "mean", "grad_clip": 10.0},
+        flags=lambda o, cfg: ["-mlr", _f(o["mentee_lr"]), "-Ts", _f(o["t_start"]), "-Te", _f(o["t_end"])],
+    ),
+    "fedgen": Parity(
+        "FedGen",
+        privfl=lambda cfg: {"diversity_weight": 0.0, "ensemble_weighting": "samples", "client_labels": "global", "gen_weight": 1.0},
+        flags=lambda o, cfg: ["-nd", _f(o["noise_dim"]), "-hd", _f(o["hidden_dim"]), "-glr", _f(o["generator_lr"]), "-se", _f(o["server_epochs"])],
+        mismatch=lambda o, cfg: _need(o.get("gen_batch_size") in (None, cfg["batch_size"]), "HtFLlib's FedGen draws -lbs labels per step"),
+    ),
+    "fd": Parity(
+        "FD",
+        privfl=lambda cfg: {"distill_loss": "raw_ce", "collect": "during", "global_logits": "all"},  # HtFLlib HEAD
+        flags=lambda o, cfg: ["-lam", _f(o["lamda"])],
+    ),
+    "fml": Parity(
+        "FML",
+        privfl=lambda cfg: {"shared_arch": "client0", "inference": "local", "grad_clip": 10.0},
+        flags=lambda o, cfg: ["-al", _f(o["local_alpha"]), "-bt", _f(o["meme_beta"])],
+    ),
+}
+
+#: privfl model group -> (HtFLlib -m family, pinned constructor or None, the data it is meant for)
+MODEL_GROUPS: dict[str, tuple[str, str | None]] = {
+    "homo-cnn4": ("HtFE-img-2", "FedAvgCNN(in_features={channels}, num_classes=args.num_classes, dim={flat})"),
+    "htfe8": ("HtFE-img-8", None),  # same order as privfl's group; HtFLlib's CNN expects 3x32x32 there
+    "htm10": ("HtM-img-10", None),
+}
+
+#: settings the harness fixes on privfl's side (HtFLlib's loaders and initialisation)
+FIXED_PRIVFL = ["--same-init", "--no-shuffle", "--drop-last", "--eval", "both", "--no-progress", "--device", "cpu", "--optimizer", "sgd"]
+TIME_LINE = re.compile(r"^-{20,}(?: time cost -{20,})? ([0-9.eE+-]+)\s*$")
+
+
+def _load_exporter() -> Any:
+    """``export_htfllib.py`` beside this script (also when this script is itself loaded by path)."""
+    if "export_htfllib" in sys.modules:
+        return sys.modules["export_htfllib"]
+    spec = importlib.util.spec_from_file_location("export_htfllib", HERE / "export_htfllib.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["export_htfllib"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["export_htfllib"]
+        raise
+    return module
+
+
+def cnn_flat_dim(image_size: int) -> int:
+    """FedAvgCNN's flattened size: two (5x5 conv, no padding) + 2x2 max-pool stages, 64 channels."""
+    s = image_size
+    for _ in range(2):
+        s = (s - 4) // 2
+    return 64 * s * s
+
+
+def parse_sets(items: Sequence[str], methods: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``METHOD.KEY=VALUE`` (repeatable) -> {method: {key: value}} (values stay text: privfl's parser types them)."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        head, eq, value = item.partition("=")
+        method, dot, key = head.partition(".")
+        if not eq or not dot or not method or not key:
+            raise ConfigError(f"--set takes METHOD.KEY=VALUE, got {item!r}")
+        if method not in methods:
+            raise ConfigError(f"--set {item}: {method} is not in --methods ({', '.join(methods)})")
+        out.setdefault(method, {})[key.replace("-", "_")] = value
+    return out
+
+
+def option_flags(options: Mapping[str, Any]) -> list[str]:
+    flags = []
+    for key, value in options.items():
+        name = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+@dataclass
+class Setting:
+    """The table's shared setting (privfl.train flags) and where things go."""
+
+    dataset: str
+    subsample: int | None
+    num_clients: int
+    partition: str
+    alpha: float
+    model_group: str
+    lr: float
+    batch_size: int
+    rounds: int
+    local_epochs: int
+    data_root: str | None
+    extra: list[str] = field(default_factory=list)
+
+    def privfl_flags(self, seed: int) -> list[str]:
+        flags = ["--dataset", self.dataset, "--num-clients", str(self.num_clients), "--partition", self.partition, "--alpha", _f(self.alpha)]
+        flags += ["--model-group", self.model_group, "--lr", _f(self.lr), "--batch-size", str(self.batch_size), "--rounds", str(self.rounds)]
+        flags += ["--local-epochs", str(self.local_epochs), "--join-ratio", "1", "--seed", str(seed), *FIXED_PRIVFL]
+        if self.subsample is not None:
+            flags += ["--subsample", str(self.subsample)]
+        if self.data_root is not None:
+            flags += ["--data-root", self.data_root]
+        return flags + self.extra
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def run_logged(cmd: list[str], log: Path, cwd: Path | None = None, env: Mapping[str, str] | None = None) -> tuple[int, float]:
+    """Run ``cmd`` with stdout+stderr into ``log``; returns (exit status, wall seconds)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        done = subprocess.run(cmd, cwd=cwd, env=dict(env) if env is not None else None, stdout=fh, stderr=subprocess.STDOUT, check=False)
+    return done.returncode, time.perf_counter() - t0
+
+
+def tail(path: Path, n: int = 6) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in lines[-n:])
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def privfl_side(run_dir: Path) -> dict[str, Any]:
+    """Accuracy (global and personal, final and best) and seconds per round of a finished privfl run."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    acc = [r["acc"] for r in rows]
+    best = max(range(len(acc)), key=acc.__getitem__)
+    out: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "rounds": len(rows),
+        "acc": acc,
+        "final_acc": acc[-1],
+        "best_acc": acc[best],
+        "best_round": rows[best]["round"],
+        "s_per_round": statistics.fmean(r["seconds"] for r in rows),
+        "seconds": [r["seconds"] for r in rows],
+    }
+    if all("acc_personal" in r for r in rows):
+        personal = [r["acc_personal"] for r in rows]
+        out.update({"acc_personal": personal, "final_acc_personal": personal[-1], "best_acc_personal": max(personal)})
+    return out
+
+
+def htfllib_side(log: Path, rounds: int) -> dict[str, Any]:
+    """Accuracy (aligned: HtFLlib's evaluations 1..R) and seconds per round from the launcher's output."""
+    text = log.read_text(errors="replace").splitlines()
+    result = model = None
+    times = []
+    for line in text:
+        if line.startswith("PARITY-RESULT "):
+            result = json.loads(line.removeprefix("PARITY-RESULT "))
+        elif line.startswith("PARITY-MODEL "):
+            model = json.loads(line.removeprefix("PARITY-MODEL "))
+        else:
+            found = TIME_LINE.match(line.strip())
+            if found:
+                times.append(float(found.group(1)))
+    if result is None or not result.get("runs"):
+        raise ValueError(f"no PARITY-RESULT line in {log}")
+    raw = result["runs"][0]["rs_test_acc"]
+    if len(raw) < rounds + 1:
+        raise ValueError(f"{log}: HtFLlib evaluated {len(raw)} times, expected {rounds + 1} (-gr {rounds})")
+    aligned = raw[1 : rounds + 1]  # start of round r+1 = after r+1 rounds of training = privfl's round r
+    best = max(range(len(aligned)), key=aligned.__getitem__)
+    return {
+        "log": str(log),
+        "acc_untrained": raw[0],
+        "acc": aligned,
+        "final_acc": aligned[-1],
+        "best_acc": aligned[best],
+        "best_round": best,
+        "s_per_round": statistics.fmean(times[1:]) if len(times) > 1 else float("nan"),
+        "seconds": times,
+        "threads": result.get("threads"),
+        "results_file": result["runs"][0]["file"],
+        "model": model,
+    }
+
+
+def privfl_model_params(cfg: Mapping[str, Any], channels: int, image_size: int, num_classes: int) -> list[list[Any]]:
+    """Client 0's privfl model: parameter names and shapes."""
+    from privfl.models import assign_archs, build_model
+
+    arch = assign_archs(cfg["model_group"], cfg["num_clients"])[0]
+    model = build_model(arch, in_channels=channels, num_classes=num_classes, image_size=image_size, rep_dim=cfg["rep_dim"], mapping=cfg["mapping"])
+    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
+def compare_models(privfl_params: list[list[Any]], htfl: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not htfl:
+        return {"checked": False}
+    a = [tuple(s) for _, s in privfl_params]
+    b = [tuple(s) for _, s in htfl["params"]]
+
+    def count(shapes: list[tuple[int, ...]]) -> int:
+        return sum(math.prod(s) for s in shapes)
+
+    return {
+        "checked": True,
+        "same_shapes_in_order": a == b,
+        "privfl_params": count(a),
+        "htfllib_params": count(b),
+        "privfl": privfl_params,
+        "htfllib": htfl["params"],
+        "htfllib_constructor": htfl.get("constructor"),
+    }
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}"
+
+
+def secs(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+COLUMNS = [
+    ("method", "method"),
+    ("seed", "seed"),
+    ("privfl_final", "privfl acc final"),
+    ("privfl_best", "privfl acc best"),
+    ("privfl_personal_final", "privfl personal final"),
+    ("htfllib_final", "HtFLlib acc final"),
+    ("htfllib_best", "HtFLlib acc best"),
+    ("diff_final", "diff final (pp)"),
+    ("diff_best", "diff best (pp)"),
+    ("privfl_last5", "privfl last-5 mean"),
+    ("htfllib_last5", "HtFLlib last-5 mean"),
+    ("diff_last5", "diff last-5 (pp)"),
+    ("privfl_s_round", "privfl s/round"),
+    ("htfllib_s_round", "HtFLlib s/round"),
+]
+
+
+LAST = 5  # rounds averaged in the last-k columns: one round's accuracy swings by points under Dir(0.1)
+
+
+def _last(acc: Sequence[float] | None) -> float | None:
+    return statistics.fmean(acc[-LAST:]) if acc else None
+
+
+def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One table line: final, best and mean-of-the-last-5 aligned accuracies of both sides, their
+    differences (privfl - HtFLlib) and seconds per round."""
+    p, h = row.get("privfl") or {}, row.get("htfllib") or {}
+    out = {
+        "method": row["method"],
+        "seed": row["seed"],
+        "privfl_final": p.get("final_acc"),
+        "privfl_best": p.get("best_acc"),
+        "privfl_personal_final": p.get("final_acc_personal"),
+        "htfllib_final": h.get("final_acc"),
+        "htfllib_best": h.get("best_acc"),
+        "diff_final": None,
+        "diff_best": None,
+        "privfl_last5": _last(p.get("acc")),
+        "htfllib_last5": _last(h.get("acc")),
+        "diff_last5": None,
+        "privfl_s_round": p.get("s_per_round"),
+        "htfllib_s_round": h.get("s_per_round"),
+        "htfllib_algo": row.get("htfllib_algo"),
+        "note": row.get("note", ""),
+    }
+    if out["privfl_final"] is not None and out["htfllib_final"] is not None:
+        out["diff_final"] = out["privfl_final"] - out["htfllib_final"]
+        out["diff_best"] = out["privfl_best"] - out["htfllib_best"]
+    if out["privfl_last5"] is not None and out["htfllib_last5"] is not None:
+        out["diff_last5"] = out["privfl_last5"] - out["htfllib_last5"]
+    return out
+
+
+def aggregate(flat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over seeds per method (rows with ``seed`` = ``mean``), when more than one seed ran."""
+    out = []
+    for method in dict.fromkeys(r["method"] for r in flat):
+        rows = [r for r in flat if r["method"] == method]
+        if len(rows) < 2:
+            continue
+        agg: dict[str, Any] = {"method": method, "seed": "mean", "htfllib_algo": rows[0]["htfllib_algo"], "note": f"mean of {len(rows)} seeds"}
+        for key, _ in COLUMNS[2:]:
+            values = [r[key] for r in rows if r[key] is not None]
+            agg[key] = statistics.fmean(values) if values else None
+            if len(values) > 1 and not key.endswith("s_round"):
+                agg[key + "_std"] = statistics.stdev(values)
+        out.append(agg)
+    return out
+
+
+def render(flat: list[dict[str, Any]]) -> str:
+    cells = [[label for _, label in COLUMNS]]
+    for r in flat:
+        line = []
+        for key, _ in COLUMNS:
+            v = r.get(key)
+            if key in ("method", "seed"):
+                line.append(str(v))
+            elif key.endswith("s_round"):
+                line.append(secs(v))
+            elif key.startswith("diff"):
+                line.append("-" if v is None else f"{100 * v:+.2f}")
+            else:
+                line.append(pct(v))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    notes = [f"  {r['method']}: {r['note']}" for r in flat if r.get("note") and r.get("seed") != "mean"]
+    return "\n".join(lines + (["notes:", *dict.fromkeys(notes)] if notes else []))
+
+
+def write_table_files(out: Path, protocol: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``table.json`` (protocol, table, every row in full), ``table.csv`` and ``table.txt`` under ``out``."""
+    flat = [flat_row(r) for r in rows]
+    flat += aggregate(flat)
+    (out / "table.json").write_text(json.dumps({"protocol": protocol, "table": flat, "rows": rows}, indent=2, default=str) + "\n")
+    with open(out / "table.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, list(dict.fromkeys(k for r in flat for k in r)))
+        writer.writeheader()
+        writer.writerows(flat)
+    (out / "table.txt").write_text(render(flat) + "\n")
+    return flat
+
+
+def rerender(sources: Sequence[Path], out: Path) -> list[dict[str, Any]]:
+    """The tables of finished harness runs (their ``table.json``; several are merged, e.g. runs of other
+    seeds), recomputed into ``out``. Nothing is trained."""
+    protocol: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for source in sources:
+        try:
+            saved = json.loads(source.read_text())
+            setting = saved["protocol"]["setting"]
+            rows += list(saved["rows"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--render {source}: not a table.json written by run_parity.py ({exc})") from None
+        if protocol and setting != protocol["setting"]:
+            raise ConfigError(f"--render {source}: its setting differs from {sources[0]}'s; merge only runs of one setting")
+        protocol = protocol or dict(saved["protocol"])
+    protocol["merged_from"] = [str(s) for s in sources]
+    protocol["seeds"] = sorted({r["seed"] for r in rows})
+    out.mkdir(parents=True, exist_ok=True)
+    return write_table_files(out, protocol, rows)
+
+
+def check_htfllib(root: Path, python: str, env: Mapping[str, str]) -> str | None:
+    """One line on what keeps HtFLlib from running here (None: all there)."""
+    if not (root / "system" / "main.py").is_file():
+        return f"--htfllib {root}: no system/main.py there (give the folder that holds HtFLlib's system/)"
+    needed = ("torch", "torchvision", "numpy", "sklearn", "h5py", "calmsize")
+    probe = f"import importlib.util as u; print(' '.join(n for n in {needed!r} if u.find_spec(n) is None))"
+    try:
+        done = subprocess.run([python, "-c", probe], env=dict(env), capture_output=True, text=True, check=False, timeout=300)
+    except OSError as exc:
+        return f"--htfllib-python {python} cannot be run ({exc})"
+    if done.returncode != 0:
+        return f"--htfllib-python {python} failed: {tail_text(done.stderr)}"
+    missing = done.stdout.split()
+    if missing:
+        return (
+            f"HtFLlib's Python lacks {', '.join(missing)}: install them (pip install --target DIR {' '.join(missing)}, "
+            "then --htfllib-pythonpath DIR) or give --htfllib-python"
+        )
+    return None
+
+
+def tail_text(text: str) -> str:
+    return " ".join(text.strip().splitlines()[-1:])
+
+
+def git_commit(path: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, check=False, timeout=30)
+    except OSError:
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def partition_digest(run_dir: Path) -> str:
+    return hashlib.sha256((run_dir / "truth" / "partition.safetensors").read_bytes()).hexdigest()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = ArgumentParser(prog="run_parity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--methods", default="local,fedavg,fedproto,fedgh,fedre", help="comma list of privfl method names")
+    p.add_argument("--seeds", default="0", help="comma list of seeds (each: its own partition, both sides)")
+    p.add_argument("--htfllib", help="HtFLlib checkout (the folder holding system/); required unless --sides privfl")
+    p.add_argument("--htfllib-python", default=sys.executable, help="Python that runs HtFLlib (default: this one)")
+    p.add_argument("--htfllib-pythonpath", default="", help="prepended to HtFLlib's PYTHONPATH (e.g. where h5py and calmsize were installed)")
+    p.add_argument("--sides", default="privfl,htfllib", help="which sides to run: privfl, htfllib or both")
+    p.add_argument("--out", default="runs/parity", help="output folder (new or empty)")
+    p.add_argument("--dataset", default="fashionmnist")
+    p.add_argument("--subsample", type=int, default=3000)
+    p.add_argument("--num-clients", type=int, default=10)
+    p.add_argument("--partition", default="dir")
+    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--model-group", default="homo-cnn4")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--batch-size", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--data-root", help="privfl's --data-root")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE", help="a method option, on both sides (repeatable)")
+    p.add_argument("--privfl-arg", action="append", default=[], help="an extra privfl.train argument (repeatable; e.g. --privfl-arg=--no-capture)")
+    p.add_argument("--render", metavar="TABLE_JSON[,...]", help="only recompute the tables of finished runs' table.json (merged) into --out")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.render is not None:
+        out = Path(args.out)
+        if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+            raise ConfigError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
+        print(render(rerender([Path(t) for t in args.render.split(",") if t], out)))
+        return 0
+
+    from privfl.methods import METHODS
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if not methods or unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; privfl has: {', '.join(METHODS.names())}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds takes a comma list of integers, got {args.seeds!r}") from None
+    if not seeds or min(seeds) < 0:
+        raise ConfigError(f"--seeds takes non-negative integers, got {args.seeds!r}")
+    sides = {s.strip() for s in args.sides.split(",") if s.strip()}
+    if not sides or sides - {"privfl", "htfllib"}:
+        raise ConfigError(f"--sides takes privfl, htfllib or both, got {args.sides!r}")
+    sets = parse_sets(args.set, methods)
+    if args.model_group not in MODEL_GROUPS and "htfllib" in sides:
+        raise ConfigError(f"model group {args.model_group} has no HtFLlib counterpart here; mapped: {', '.join(MODEL_GROUPS)}")
+    fixed = ("--optimizer", "--momentum", "--weight-decay", "--shuffle", "--no-drop-last", "--no-same-init", "--join-ratio", "--seed", "--out-dir")
+    for bad in (*fixed, "--run-name"):
+        if any(a == bad or a.startswith(bad + "=") for a in args.privfl_arg):
+            raise ConfigError(f"--privfl-arg {bad}: the harness sets it (HtFLlib: plain SGD, fixed order, drop_last, one init, join ratio 1)")
+
+    out = Path(args.out)
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise ConfigError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
+    out = out.absolute()  # the HtFLlib side runs in a working directory of its own
+    htfl_root = Path(args.htfllib).resolve() if args.htfllib else None
+    extra_path = [p for p in args.htfllib_pythonpath.split(os.pathsep) if p]
+    htfl_env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if "htfllib" in sides:
+        if htfl_root is None:
+            raise ConfigError("--htfllib PATH is required to run HtFLlib's side (or --sides privfl)")
+        problem = check_htfllib(htfl_root, args.htfllib_python, htfl_env)
+        if problem:
+            raise ConfigError(problem)
+
+    setting = Setting(
+        args.dataset,
+        args.subsample,
+        args.num_clients,
+        args.partition,
+        args.alpha,
+        args.model_group,
+        args.lr,
+        args.batch_size,
+        args.rounds,
+        args.local_epochs,
+        args.data_root,
+        list(args.privfl_arg),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    exporter = _load_exporter()
+    privfl_env = {**os.environ, **ONE_THREAD}
+    cfg_base = {"lr": args.lr, "batch_size": args.batch_size}
+    rows: list[dict[str, Any]] = []
+
+    protocol = {
+        "setting": setting.as_dict(),
+        "seeds": seeds,
+        "privfl_fixed_flags": FIXED_PRIVFL,
+        "alignment": "privfl round r (0-based, end of round) = HtFLlib rs_test_acc[r+1] (start of round r+1); rs_test_acc[0] is untrained",
+        "threads": 1,
+        "htfllib": str(htfl_root) if htfl_root else None,
+        "htfllib_commit": git_commit(htfl_root) if htfl_root else None,
+        "python": sys.version.split()[0],
+        "torch": __import__("torch").__version__,
+    }
+
+    def write_tables() -> list[dict[str, Any]]:
+        return write_table_files(out, protocol, rows)
+
+    for seed in seeds:
+        datasets: dict[str, str] = {}  # partition digest -> exported dataset name
+        work = out / "htfllib" / f"seed{seed}"
+        for method in methods:
+            parity = PARITY.get(method, Parity(None, note="not mapped to HtFLlib by this harness"))
+            row: dict[str, Any] = {"method": method, "seed": seed, "htfllib_algo": parity.algo, "note": parity.note}
+            rows.append(row)
+            # ---- privfl
+            fields_ = set(getattr(METHODS.get(method).Options, "__dataclass_fields__", {}))
+            wanted = {**parity.privfl({**cfg_base, "rep_dim": 512}), **sets.get(method, {})}
+            skipped = sorted(k for k in wanted if k not in fields_)
+            options = {k: v for k, v in wanted.items() if k in fields_}
+            row["privfl_options"] = options
+            if skipped:
+                row["note"] = (row["note"] + "; " if row["note"] else "") + f"privfl {method} has no option(s) {', '.join(skipped)}"
+            run_dir = out / "privfl" / f"{method}-s{seed}"
+            if "privfl" in sides:
+                (out / "privfl").mkdir(exist_ok=True)
+                cmd = [sys.executable, "-m", "privfl.train", method, *setting.privfl_flags(seed), *option_flags(options)]
+                cmd += ["--out-dir", str(out / "privfl"), "--run-name", run_dir.name]
+                row["privfl_cmd"] = cmd
+                print(f"[seed {seed}] privfl {method} ...", flush=True)
+                rc, wall = run_logged(cmd, out / "privfl" / f"{method}-s{seed}.log", env=privfl_env)
+                if rc != 0:
+                    row["privfl_error"] = tail(out / "privfl" / f"{method}-s{seed}.log")
+                    print(f"[seed {seed}] privfl {method} FAILED (exit {rc}): {row['privfl_error']}", flush=True)
+                else:
+                    row["privfl"] = privfl_side(run_dir)
+                    row["privfl"]["wall_seconds"] = wall
+                    row["privfl"]["loadavg_after"] = list(os.getloadavg())  # other work on the machine shows in s/round
+                    done = row["privfl"]
+                    print(f"[seed {seed}] privfl {method}: final {pct(done['final_acc'])}, {secs(done['s_per_round'])} s/round", flush=True)
+            write_tables()
+            # ---- HtFLlib
+            if "htfllib" not in sides or parity.algo is None:
+                continue
+            assert htfl_root is not None
+            if "privfl" in row:
+                resolved = json.loads((run_dir / "config.json").read_text())
+            elif "privfl" in sides:
+                continue  # privfl failed: nothing to compare against
+            else:  # HtFLlib only: the options privfl would resolve
+                from privfl.config import build_config
+
+                values = {
+                    "method": method,
+                    "dataset": setting.dataset,
+                    "subsample": setting.subsample,
+                    "num_clients": setting.num_clients,
+                    "partition": setting.partition,
+                    "alpha": setting.alpha,
+                    "model_group": setting.model_group,
+                    "lr": setting.lr,
+                    "batch_size": setting.batch_size,
+                    "rounds": setting.rounds,
+                    "local_epochs": setting.local_epochs,
+                    "seed": seed,
+                    "options": options,
+                }
+                resolved = dataclasses.asdict(build_config(values, METHODS.get(method).Options))
+            opts = resolved.get("options") or {}
+            problems = parity.mismatch(opts, resolved)
+            if problems:
+                row["htfllib_error"] = "; ".join(problems)
+                print(f"[seed {seed}] HtFLlib {parity.algo}: not comparable: {row['htfllib_error']}", flush=True)
+                write_tables()
+                continue
+            # the partition, exported once per distinct partition
+            work.mkdir(parents=True, exist_ok=True)
+            digest = partition_digest(run_dir) if "privfl" in row else f"args-seed{seed}"
+            if digest not in datasets:
+                name = f"{setting.dataset}_privfl_s{seed}" + (f"_{len(datasets)}" if datasets else "")
+                if "privfl" in row:
+                    export = exporter.from_run(run_dir, setting.data_root)
+                else:  # HtFLlib only: the partition privfl.train would draw for these options
+                    export = exporter.from_train_args([method, *setting.privfl_flags(seed)])
+                exporter.write(export, work / "dataset" / name)
+                datasets[digest] = name
+                (work / "cwd").mkdir(exist_ok=True)
+                (work / "results").mkdir(exist_ok=True)
+                row["export"] = {"name": name, "folder": str(work / "dataset" / name)}
+            name = datasets[digest]
+            data_cfg = json.loads((work / "dataset" / name / "config.json").read_text())
+            sample = exporter.read_htfllib_client(work / "dataset" / name, 0, "test")
+            channels, image_size = int(sample["x"].shape[1]), int(sample["x"].shape[2])
+            family, pinned = MODEL_GROUPS[setting.model_group]
+            flags = ["-data", name, "-m", family, "-algo", parity.algo, "-gr", str(resolved["rounds"]), "-lr", _f(resolved["lr"])]
+            flags += ["-lbs", str(resolved["batch_size"]), "-ls", str(resolved["local_epochs"]), "-jr", "1", "-nc", str(resolved["num_clients"])]
+            flags += ["-ncl", str(data_cfg["num_classes"]), "-fd", str(resolved["rep_dim"]), "-dev", "cpu", "-go", "parity", "-t", "1", "-eg", "1"]
+            flags += parity.flags(opts, resolved)
+            launcher = [args.htfllib_python, str(LAUNCHER), "--system", str(htfl_root / "system"), "--threads", "1"]
+            launcher += ["--result", str(work / f"{method}.result.json")]
+            if pinned:
+                launcher += ["--model", pinned.format(channels=channels, flat=cnn_flat_dim(image_size))]
+            cmd = [*launcher, "--", *flags]
+            row["htfllib_cmd"] = cmd
+            print(f"[seed {seed}] HtFLlib {parity.algo} ...", flush=True)
+            log = work / f"{method}.log"
+            rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=htfl_env)
+            if rc != 0:
+                row["htfllib_error"] = tail(log)
+                print(f"[seed {seed}] HtFLlib {parity.algo} FAILED (exit {rc}): {row['htfllib_error']}", flush=True)
+            else:
+                try:
+                    row["htfllib"] = htfllib_side(log, int(resolved["rounds"]))
+                except (ValueError, KeyError, IndexError) as exc:
+                    row["htfllib_error"] = str(exc)
+                else:
+                    row["htfllib"]["wall_seconds"] = wall
+                    row["htfllib"]["loadavg_after"] = list(os.getloadavg())
+                    params = privfl_model_params(resolved, channels, image_size, int(data_cfg["num_classes"]))
+                    row["model_check"] = compare_models(params, row["htfllib"].pop("model"))
+                    print(
+                        f"[seed {seed}] HtFLlib {parity.algo}: final {pct(row['htfllib']['final_acc'])}, "
+                        f"{secs(row['htfllib']['s_per_round'])} s/round, same model shapes: {row['model_check'].get('same_shapes_in_order')}",
+                        flush=True,
+                    )
+            write_tables()
+
+    flat = write_tables()
+    print()
+    print(render(flat))
+    print(f"\nwritten: {out / 'table.json'}, {out / 'table.csv'}, {out / 'table.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("run_parity.py", main))

@@ -1,0 +1,211 @@
+"""The HtFLlib parity harness (experiments/parity), without HtFLlib: the export and the parsing.
+
+The export must hand HtFLlib exactly privfl's partition (same samples per client, same order, privfl's
+normalised inputs) in HtFLlib's npz layout, and refuse bad input with one line and exit status 2 before
+creating anything. Everything runs on a tiny Fashion-MNIST-format dataset written here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PARITY = ROOT / "experiments" / "parity"
+#: HtFLlib's FedAvgCNN(in_features=1, dim=1024) with its fc swapped for Linear(512, 10) (BaseHeadSplit)
+FEDAVGCNN_SHAPES = [[32, 1, 5, 5], [32], [64, 32, 5, 5], [64], [512, 1024], [512], [10, 512], [10]]
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, PARITY / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    payload = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + np.ascontiguousarray(array, np.uint8).tobytes()
+    path.write_bytes(gzip.compress(payload))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """Fashion-MNIST's four IDX files with 200 + 40 random 28x28 images, 10 classes."""
+    root = tmp_path_factory.mktemp("fm")
+    rng = np.random.default_rng(0)
+    imgs = rng.integers(0, 256, size=(240, 28, 28), dtype=np.uint8)
+    labels = (np.arange(240) * 7 % 10).astype(np.uint8)
+    _write_idx(root / "train-images-idx3-ubyte.gz", imgs[:200])
+    _write_idx(root / "train-labels-idx1-ubyte.gz", labels[:200])
+    _write_idx(root / "t10k-images-idx3-ubyte.gz", imgs[200:])
+    _write_idx(root / "t10k-labels-idx1-ubyte.gz", labels[200:])
+    return root
+
+
+PARTITION = ["--subsample", "180", "--num-clients", "3", "--partition", "iid", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_root: Path) -> Path:
+    """A one-round privfl run on the tiny data, as the harness trains it (HtFLlib's order and init)."""
+    from privfl.train import main as train_main
+
+    out = tmp_path_factory.mktemp("runs")
+    argv = ["local", "--dataset", "fashionmnist", "--data-root", str(data_root), *PARTITION, "--rounds", "1", "--batch-size", "16"]
+    argv += ["--model-group", "homo-cnn4", "--same-init", "--no-shuffle", "--drop-last", "--device", "cpu", "--no-progress"]
+    assert train_main([*argv, "--out-dir", str(out), "--run-name", "r"]) == 0
+    return out / "r"
+
+
+def test_export_holds_exactly_the_runs_partition_in_htfllibs_layout(run_dir: Path, data_root: Path, tmp_path: Path, capsys):
+    from privfl.run import Run, load_partition, load_pool
+
+    exporter = _load("export_htfllib")
+    out = tmp_path / "dataset" / "fm"
+    assert exporter.cli(["--run", str(run_dir), "--out", str(out)]) == 0
+    _, images, labels, _ = load_pool(Run(run_dir))
+    part = load_partition(run_dir)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_clients"] == 3 and config["num_classes"] == 10 and config["partition"] == "iid" and config["batch_size"] == 16
+    for k in range(3):
+        held = []
+        for split in ("train", "test"):
+            idx = part[f"{split}_{k}"]
+            # HtFLlib's reader: np.load(f, allow_pickle=True)['data'].tolist(), then float32 x and int64 y
+            with open(out / split / f"{k}.npz", "rb") as f:
+                data = np.load(f, allow_pickle=True)["data"].tolist()
+            assert data["x"].dtype == np.float32 and data["y"].dtype == np.int64
+            assert np.array_equal(data["y"], labels[idx].numpy())
+            # privfl's normalisation (x/255 - 0.5)/0.5, bit for bit, in privfl's --no-shuffle order (ascending)
+            assert torch.equal(torch.from_numpy(data["x"]), (images[idx].float() / 255.0 - 0.5) / 0.5)
+            assert torch.equal(idx, idx.sort().values)
+            held.append(len(idx))
+        stat = dict(map(tuple, config["Size of samples for labels in clients"][k]))
+        assert sum(stat.values()) == sum(held)
+    assert "wrote 3 clients" in capsys.readouterr().out
+
+
+def test_export_from_train_options_draws_the_same_partition_as_training(run_dir: Path, data_root: Path, tmp_path: Path):
+    exporter = _load("export_htfllib")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert exporter.cli(["--run", str(run_dir), "--out", str(a)]) == 0
+    assert exporter.cli(["--out", str(b), "local", "--dataset", "fashionmnist", "--data-root", str(data_root), *PARTITION, "--batch-size", "16"]) == 0
+    for split in ("train", "test"):
+        for k in range(3):
+            x, y = exporter.read_htfllib_client(a, k, split), exporter.read_htfllib_client(b, k, split)
+            assert np.array_equal(x["x"], y["x"]) and np.array_equal(x["y"], y["y"])
+
+
+def test_export_refuses_bad_input_with_one_line_and_creates_nothing(run_dir: Path, data_root: Path, tmp_path: Path, capsys):
+    exporter = _load("export_htfllib")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    not_run = tmp_path / "not_a_run"
+    not_run.mkdir()
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text((run_dir / "config.json").read_text())
+    (damaged / "truth").mkdir()
+    (damaged / "truth" / "partition.safetensors").write_bytes(b"\x00garbage")
+    out = tmp_path / "new" / "fm"
+    cases = [
+        ["--run", str(tmp_path / "missing"), "--out", str(out)],  # no such run
+        ["--run", str(not_run), "--out", str(out)],  # a folder that is not a run
+        ["--run", str(damaged), "--out", str(out)],  # a damaged partition file
+        ["--run", str(run_dir), "--out", str(busy)],  # an output folder that holds something
+        ["--run", str(run_dir), "--out", str(a_file)],  # an output that is a file
+        ["--run", str(run_dir), "--out", str(out), "--rounds", "3"],  # --run with privfl.train options
+        ["--out", str(out), "--dataset", "fashionmnist", "--data-root", str(data_root), "--subsample", "50", "--num-clients", "40"],  # impossible
+        ["--out", str(out), "--dataset", "nosuchset"],  # unknown dataset
+        ["--out", str(out), "--no-such-flag"],  # unknown option
+        ["--run", str(run_dir)],  # no --out
+    ]
+    for argv in cases:
+        capsys.readouterr()
+        assert exporter.cli(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error" in err, (argv, err)
+        assert not (tmp_path / "new").exists(), argv
+    assert sorted(p.name for p in busy.iterdir()) == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+    assert a_file.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "damaged", "file.txt", "not_a_run"]  # no temporary folder left
+
+
+def test_privfl_cnn4_has_htfllibs_fedavgcnn_shapes():
+    from privfl.models import build_model
+
+    model = build_model("cnn4", in_channels=1, num_classes=10, image_size=28, rep_dim=512, mapping="ap")
+    assert [list(p.shape) for p in model.parameters()] == FEDAVGCNN_SHAPES
+    parity = _load("run_parity")
+    assert parity.cnn_flat_dim(28) == 1024 and parity.cnn_flat_dim(32) == 1600  # HtFLlib's dim for 28x28 and 32x32 inputs
+
+
+def test_htfllib_output_is_aligned_to_privfl_rounds(tmp_path: Path):
+    parity = _load("run_parity")
+    model = {"constructor": "FedAvgCNN(...)", "params": [[f"p{i}", s] for i, s in enumerate(FEDAVGCNN_SHAPES)]}
+    result = {"threads": 1, "runs": [{"file": "x.h5", "rs_test_acc": [0.1, 0.5, 0.7, 0.6]}]}
+    log = tmp_path / "m.log"
+    lines = ["Averaged Test Accuracy: 0.1000", "------------------------- time cost ------------------------- 3.0"]
+    lines += ["-" * 50 + " 2.0", "-" * 50 + " 4.0", "-" * 50 + " 9.0"]
+    log.write_text("\n".join([f"PARITY-MODEL {json.dumps(model)}", *lines, f"PARITY-RESULT {json.dumps(result)}"]) + "\n")
+    side = parity.htfllib_side(log, rounds=3)
+    assert side["acc_untrained"] == 0.1 and side["acc"] == [0.5, 0.7, 0.6]  # start of round r+1 = privfl's round r
+    assert side["final_acc"] == 0.6 and side["best_acc"] == 0.7 and side["best_round"] == 1
+    assert side["s_per_round"] == 5.0  # rounds 1..R, as HtFLlib's own average (round 0 left out)
+    with pytest.raises(ValueError, match="evaluated 4 times"):
+        parity.htfllib_side(log, rounds=5)
+    check = parity.compare_models([[f"q{i}", s] for i, s in enumerate(FEDAVGCNN_SHAPES)], side["model"])
+    assert check["same_shapes_in_order"] and check["privfl_params"] == check["htfllib_params"] == 582026
+    mine = {"acc": [0.6, 0.75, 0.65], "final_acc": 0.65, "best_acc": 0.75, "s_per_round": 1.0}
+    row = parity.flat_row({"method": "m", "seed": 0, "privfl": mine, "htfllib": side})
+    assert row["diff_final"] == pytest.approx(0.05) and row["diff_best"] == pytest.approx(0.05)
+    assert row["htfllib_last5"] == pytest.approx(0.6) and row["diff_last5"] == pytest.approx(2 / 3 - 0.6)  # all 3 rounds when R < 5
+    assert parity.flat_row({"method": "m", "seed": 0, "privfl": mine})["diff_last5"] is None  # privfl only (fedavg, fedre)
+    assert "+5.00" in parity.render([row])
+
+
+def test_every_mapped_method_names_an_htfllib_algorithm_and_options_privfl_has():
+    from privfl.methods import METHODS
+
+    parity = _load("run_parity")
+    algos = {"Local", "FedProto", "FedGH", "LG-FedAvg", "FedTGP", "FedKD", "FedGen", "FD", "FML"}  # main.py's -algo choices used here
+    cfg = {"lr": 0.01, "batch_size": 10, "rep_dim": 512}
+    for name, spec in parity.PARITY.items():
+        assert spec.algo is None or spec.algo in algos, name
+        if name in METHODS:  # a method another change has not registered yet is only mapped
+            fields = set(getattr(METHODS.get(name).Options, "__dataclass_fields__", {}))
+            assert set(spec.privfl(cfg)) <= fields, name
+
+
+def test_run_parity_refuses_bad_input_before_writing(tmp_path: Path, capsys):
+    parity = _load("run_parity")
+    out = tmp_path / "out"
+    cases = [
+        ["--methods", "nosuchmethod", "--sides", "privfl", "--out", str(out)],
+        ["--methods", "local", "--htfllib", str(tmp_path), "--out", str(out)],  # no system/main.py there
+        ["--methods", "local", "--out", str(out)],  # HtFLlib's side needs --htfllib
+        ["--methods", "local", "--sides", "privfl", "--set", "local.x", "--out", str(out)],
+        ["--methods", "local", "--sides", "privfl", "--privfl-arg=--optimizer=adam", "--out", str(out)],
+        ["--methods", "local", "--sides", "privfl", "--seeds", "a", "--out", str(out)],
+        ["--render", str(tmp_path / "no-table.json"), "--out", str(out)],
+    ]
+    for argv in cases:
+        capsys.readouterr()
+        assert parity.run_cli("run_parity.py", lambda argv=argv: parity.main(argv)) == 2, argv
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert not out.exists(), argv
