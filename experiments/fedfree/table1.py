@@ -15,7 +15,8 @@ Quick default (no flags): Fashion-MNIST, the ``cpu5`` heterogeneous group (``--h
 10 clients, the spec's non-IID1 reading (``dominant``: 8:1:1 class shares), a 3,000-sample subset,
 10 rounds of one local epoch (the paper: 200 rounds of 5), SGD lr 0.01, batch 10 (the paper's), FedFree's
 paper options (k = 2 critical layers, server lr 0.01, 256 KGE bins, ...); seeds 0, 1, 2. The paper's
-10-client CIFAR-10 column stands beside it for reference. ``--paper``: the paper's configuration
+10-client CIFAR-10 column stands beside it for reference. One seed took 168 s of CPU time (4 minutes
+wall on this shared 2-core machine), so the three take about 8.5 minutes on an idle one. ``--paper``: the paper's configuration
 ``experiments/fedfree/{dataset}_{N}cl_{hete|homo}.toml`` (eight architectures drawn per client, 200
 rounds; ``make_configs.py`` says where each value is from) for ``--clients 10 | 20 | 100`` on
 ``--dataset cifar10 | cifar100 | tinyimagenet`` (TinyImageNet: 100 clients, Table A4), with that

@@ -14,7 +14,8 @@ CNN-1..5 group ``fedmrl-cnn5`` (client k gets CNN-(k mod 5 + 1); ``--homo``: eve
 8:2, a 3,000-sample subset, 5 rounds of two local epochs, batch 32, SGD lr 0.01 with momentum 0.9 and
 weight decay 1e-3 (the official code's), d2 = 500 (``--rep-dim 500``, so the AP mapping is the identity
 and the head is FC3), FedMRL's d1 = 200; seeds 0, 1, 2. The paper's (N=10, C=100%) CIFAR-10 column
-stands beside it for reference. ``--paper``: the paper's configuration
+stands beside it for reference. One seed took 225 s of CPU time (6 minutes wall on this shared
+2-core machine), so the three take about 11 minutes on an idle one. ``--paper``: the paper's configuration
 ``experiments/fedmrl/{dataset}_n{N}_c{C}_pat_{hete|homo}.toml`` (500 rounds, 10 local epochs, batch
 512; ``make_configs.py`` says where each value is from) for ``--clients 10 | 50 | 100`` (participation
 100 / 20 / 10 %) on ``--dataset cifar10 | cifar100`` (``--data-root``), with that paper column beside.

@@ -10,14 +10,15 @@ A row whose method is not registered stops the script before training, naming it
 ``--skip-missing`` leaves such rows out and says which.
 
 Quick default (no flags): Fashion-MNIST, the ``cpu5`` heterogeneous group (five architectures, round
-robin), 10 clients, Dir(0.1), a 4,000-sample subset (3,000 train / 1,000 test), 6 rounds, one local epoch,
+robin), 10 clients, Dir(0.1), a 4,000-sample subset (about 3,000 train / 1,000 test), 6 rounds, one local epoch,
 SGD lr 0.06 (the paper's model-heterogeneous rate), batch 64, d = 512 (AP), seeds 0, 1, 2; methods run
 with their own defaults (FedRE's are the paper's server settings). The paper has no Fashion-MNIST
 column: beside the quick table stand its CIFAR-10 PRA accuracies and its Table 11 CIFAR-10
 model-heterogeneous counts, for reference (the head-sized counts are the same for any 10-class task
 with d = 512; prototype counts depend on the partition). Measured (all ten rows registered, three
-seeds, ``OMP_NUM_THREADS=1``): 17 minutes wall on this machine's 2 CPU cores while other jobs shared
-them, of which 10.1 minutes were this process's CPU time, i.e. about 10.5 minutes on an idle machine.
+seeds, ``OMP_NUM_THREADS=1``), twice: 14 and 17 minutes wall on this machine's 2 CPU cores while
+other jobs shared them, of which 10.7 and 10.1 minutes were this process's CPU time, i.e. about
+11 minutes on an idle machine; both gave the same numbers.
 Under the table: FedRE minus the best other row (global, final round).
 
 ``--paper``: the paper's configuration from ``experiments/fedre/{dataset}_{setting}_{hete|homo}.toml``
