@@ -177,6 +177,10 @@ def test_htfllib_output_is_aligned_to_privfl_rounds(tmp_path: Path):
     assert row["htfllib_last5"] == pytest.approx(0.6) and row["diff_last5"] == pytest.approx(2 / 3 - 0.6)  # all 3 rounds when R < 5
     assert parity.flat_row({"method": "m", "seed": 0, "privfl": mine})["diff_last5"] is None  # privfl only (fedavg, fedre)
     assert "+5.00" in parity.render([row])
+    # a run that stopped (HtFLlib's FD ends in NaN and sklearn's AUC refuses it): what it printed, and why, in the note
+    assert parity.printed_accuracies(log) == [0.1]
+    failed = {"method": "fd", "seed": 0, "privfl": mine, "htfllib_error": "Traceback | ValueError: Input contains NaN.", "htfllib_partial_acc": [0.1]}
+    assert parity.flat_row(failed)["note"] == "HtFLlib failed after 1 evaluations (10.00): ValueError: Input contains NaN."
 
 
 def test_every_mapped_method_names_an_htfllib_algorithm_and_options_privfl_has():

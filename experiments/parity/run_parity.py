@@ -330,6 +330,23 @@ def htfllib_side(log: Path, rounds: int) -> dict[str, Any]:
     }
 
 
+def printed_accuracies(log: Path) -> list[float]:
+    """The ``Averaged Test Accuracy`` lines HtFLlib printed (4 decimals; evaluation 0 = untrained)."""
+    return [float(x) for x in re.findall(r"^Averaged Test Accuracy: ([0-9.]+)\s*$", log.read_text(errors="replace"), re.M)]
+
+
+def outcome_note(row: Mapping[str, Any]) -> str:
+    """The row's note plus why a side has no numbers (a failure, or settings HtFLlib cannot express)."""
+    parts = [row.get("note", "")]
+    if row.get("privfl_error"):
+        parts.append(f"privfl failed: {row['privfl_error'][-160:]}")
+    if row.get("htfllib_error"):
+        partial = row.get("htfllib_partial_acc")
+        done = f" after {len(partial)} evaluations ({', '.join(f'{100 * a:.2f}' for a in partial)})" if partial else ""
+        parts.append(f"HtFLlib failed{done}: {row['htfllib_error'].split(' | ')[-1][-160:]}")
+    return "; ".join(p for p in parts if p)
+
+
 def privfl_model_params(cfg: Mapping[str, Any], channels: int, image_size: int, num_classes: int) -> list[list[Any]]:
     """Client 0's privfl model: parameter names and shapes."""
     from privfl.models import assign_archs, build_model
@@ -412,7 +429,7 @@ def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
         "privfl_s_round": p.get("s_per_round"),
         "htfllib_s_round": h.get("s_per_round"),
         "htfllib_algo": row.get("htfllib_algo"),
-        "note": row.get("note", ""),
+        "note": outcome_note(row),
     }
     if out["privfl_final"] is not None and out["htfllib_final"] is not None:
         out["diff_final"] = out["privfl_final"] - out["htfllib_final"]
@@ -736,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=htfl_env)
             if rc != 0:
                 row["htfllib_error"] = tail(log)
+                row["htfllib_partial_acc"] = printed_accuracies(log)  # what it evaluated before it stopped (round 0 first)
                 print(f"[seed {seed}] HtFLlib {parity.algo} FAILED (exit {rc}): {row['htfllib_error']}", flush=True)
             else:
                 try:
