@@ -92,7 +92,7 @@ class Trainer:
     def __init__(
         self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = (), claim: RunClaim | None = None
     ):
-        from privfl.data import load_dataset, partition_indices, plot_partition, split_train_test
+        from privfl.data import load_dataset, plot_partition
         from privfl.data.partition import PARTITIONS, ClientSplit
         from privfl.models import assign_archs
 
@@ -117,11 +117,7 @@ class Trainer:
 
         dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
         self.dataset = dataset
-        images, labels = dataset.images, dataset.labels
-        subset = None
-        if cfg.subsample is not None and cfg.subsample < len(labels):
-            subset = np.sort(numpy_rng(cfg.seed, "subsample").permutation(len(labels))[: cfg.subsample])
-            images, labels = images[subset], labels[subset]
+        images, labels, subset = subsample(dataset, cfg)
         self.labels = labels
 
         truth_dir = run_dir / "truth"
@@ -131,18 +127,7 @@ class Trainer:
             saved.pop("subset", None)
             split = ClientSplit.from_tensors(saved)
         else:
-            parts = partition_indices(
-                labels.numpy(),
-                cfg.num_clients,
-                cfg.partition,
-                cfg.seed,
-                alpha=cfg.alpha,
-                classes_per_client=cfg.classes_per_client,
-                imbalance_factor=cfg.imbalance_factor,
-                min_samples=cfg.min_samples,
-                balanced=cfg.balanced,
-            )
-            split = split_train_test(parts, cfg.train_fraction, cfg.seed)
+            split = client_split(labels, cfg)
         self.split = split
         if not resume:  # everything checkable is checked: create the folder, exclusively
             self.claim = self._claim(run_dir, claim, resume)
@@ -433,6 +418,33 @@ class Trainer:
         }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def subsample(dataset: Any, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+    """(images, labels, the kept indices or None): the run's seeded ``--subsample`` of the dataset."""
+    images, labels = dataset.images, dataset.labels
+    if cfg.subsample is None or cfg.subsample >= len(labels):
+        return images, labels, None
+    subset = np.sort(numpy_rng(cfg.seed, "subsample").permutation(len(labels))[: cfg.subsample])
+    return images[subset], labels[subset], subset
+
+
+def client_split(labels: torch.Tensor, cfg: TrainConfig) -> Any:
+    """The run's partition of ``labels`` over clients, each split into train and test (a ClientSplit)."""
+    from privfl.data.partition import partition_indices, split_train_test
+
+    parts = partition_indices(
+        labels.numpy(),
+        cfg.num_clients,
+        cfg.partition,
+        cfg.seed,
+        alpha=cfg.alpha,
+        classes_per_client=cfg.classes_per_client,
+        imbalance_factor=cfg.imbalance_factor,
+        min_samples=cfg.min_samples,
+        balanced=cfg.balanced,
+    )
+    return split_train_test(parts, cfg.train_fraction, cfg.seed)
 
 
 def summary_accuracies(history: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -150,9 +150,9 @@ def from_run(run_dir: str | Path, data_root: str | None = None) -> Export:
 def from_train_args(argv: Sequence[str]) -> Export:
     """The partition ``privfl.train ARGV`` would train on, drawn with privfl's own functions (no training)."""
     from privfl.config import build_config, read_config_file
-    from privfl.data import load_dataset, partition_indices, split_train_test
+    from privfl.data import load_dataset
+    from privfl.engine import client_split, subsample
     from privfl.methods import resolve_method
-    from privfl.seeding import numpy_rng
     from privfl.train import _method_from_argv, build_parser
 
     argv = list(argv)
@@ -172,24 +172,10 @@ def from_train_args(argv: Sequence[str]) -> Export:
             values.setdefault(key, value)
     cfg = build_config(values, method_cls.Options)
 
-    # the steps of privfl.engine.Trainer.__init__ (tests/test_parity.py checks the result against a run)
+    # the engine's own steps (tests/test_parity.py checks the result against a run)
     dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
-    images, labels = dataset.images, dataset.labels
-    if cfg.subsample is not None and cfg.subsample < len(labels):
-        subset = np.sort(numpy_rng(cfg.seed, "subsample").permutation(len(labels))[: cfg.subsample])
-        images, labels = images[subset], labels[subset]
-    parts = partition_indices(
-        labels.numpy(),
-        cfg.num_clients,
-        cfg.partition,
-        cfg.seed,
-        alpha=cfg.alpha,
-        classes_per_client=cfg.classes_per_client,
-        imbalance_factor=cfg.imbalance_factor,
-        min_samples=cfg.min_samples,
-        balanced=cfg.balanced,
-    )
-    split = split_train_test(parts, cfg.train_fraction, cfg.seed)
+    images, labels, _ = subsample(dataset, cfg)
+    split = client_split(labels, cfg)
     meta = {
         "source": "privfl.train options " + " ".join(argv),
         **{k: getattr(cfg, k) for k in ("dataset", "subsample", "seed", "partition", "alpha", "classes_per_client", "balanced", "train_fraction")},
