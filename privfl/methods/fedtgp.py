@@ -60,7 +60,7 @@ from torch import nn
 
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, FLMethod
-from privfl.methods.prototypes import prototype_message
+from privfl.methods.prototypes import train_and_upload_prototypes
 from privfl.seeding import seed_global, torch_generator
 
 
@@ -173,18 +173,8 @@ class FedTGP(FLMethod):
         return loss
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        losses, parts, protos, classes = [], [], [], []
-        for client in selected:
-            stats = self.fit(rnd, client, self.objective(client))
-            losses.append(stats.loss)
-            parts.append(stats.parts)
-            got = self.send(*prototype_message(self, rnd, client))
-            self.env.knowledge.record_extractor(rnd, client)
-            protos.append(got.tensors["protos"].to(self.env.device))
-            classes.append(got.tensors["classes"].to(self.env.device))
-        out = {"train_loss": sum(losses) / max(len(losses), 1)}
-        if protos:
-            p, y = torch.cat(protos).float(), torch.cat(classes).long()
+        out, p, y = train_and_upload_prototypes(self, rnd, selected, self.objective)
+        if p is not None and y is not None:
             margin = adaptive_margin(p, y, self.opts.margin_threshold)
             server_losses = train_generator(
                 self.generator,
@@ -212,10 +202,6 @@ class FedTGP(FLMethod):
             cls = msg.tensors["classes"].to(self.env.device)
             received[cls] = msg.tensors["protos"].to(self.env.device)
             known[cls] = True
-        done = [p for p in parts if p]
-        for key in ("ce", "proto_mse"):
-            if done:
-                out[key] = sum(p[key] for p in done) / len(done)
         return out
 
     @torch.no_grad()

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, FLMethod
 from privfl.methods.finch import DISTANCES, finch
-from privfl.methods.prototypes import prototype_message
+from privfl.methods.prototypes import train_and_upload_prototypes
 
 
 @dataclass
@@ -141,25 +141,10 @@ class FPL(FLMethod):
         return loss
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        losses, parts, protos, classes = [], [], [], []
-        for client in selected:
-            stats = self.fit(rnd, client, self.objective(client))
-            losses.append(stats.loss)
-            parts.append(stats.parts)
-            got = self.send(*prototype_message(self, rnd, client))
-            self.env.knowledge.record_extractor(rnd, client)
-            protos.append(got.tensors["protos"].to(self.env.device))
-            classes.append(got.tensors["classes"].to(self.env.device))
-        out = {"train_loss": sum(losses) / max(len(losses), 1)}
-        done = [p for p in parts if p]
-        for key in ("ce", "cpcl", "upcr"):
-            if done:
-                out[key] = sum(p[key] for p in done) / len(done)
-        if not protos:
+        out, protos, classes = train_and_upload_prototypes(self, rnd, selected, self.objective)
+        if protos is None or classes is None:
             return out
-        cluster, cluster_classes = cluster_prototypes(
-            torch.cat(protos).float(), torch.cat(classes).long(), step=self.opts.finch_step, distance=self.opts.finch_distance
-        )
+        cluster, cluster_classes = cluster_prototypes(protos, classes, step=self.opts.finch_step, distance=self.opts.finch_distance)
         unbiased, unbiased_classes = unbiased_prototypes(cluster, cluster_classes)
         names = self.client_names()
         sent_cluster = self.channel.broadcast(
