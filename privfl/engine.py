@@ -306,8 +306,7 @@ class Trainer:
         for c in self.clients:
             c.model.eval()
             kept = self.method.personal.get(c.name, {}) if personal else {}
-            current = {part: self._part(c, part).state_dict() for part in kept}
-            current = {part: {k: v.clone() for k, v in sd.items()} for part, sd in current.items()}
+            current = {part: {k: v.clone() for k, v in self._part(c, part).state_dict().items()} for part in kept}
             for part, tensors in kept.items():
                 self._part(c, part).load_state_dict(tensors)
             predict = self.method.predict_personal if personal else self.method.predict

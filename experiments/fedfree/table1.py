@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from experiments.fedfree.make_configs import OPTIONS as MAKE_CONFIGS_OPTIONS  # noqa: E402
 from experiments.tables import Row, Table, add_arguments, apply_common, main_for, margin_over_best, parse_seeds  # noqa: E402
 from privfl.cli import ArgumentParser  # noqa: E402
 from privfl.config import ConfigError, read_config_file  # noqa: E402
@@ -80,21 +81,8 @@ HMFL = {
 }
 #: the relative gains the paper prints beside FedFree (%)
 GAINS = {"hete": "1.67 15.92 3.81 10.19 13.87 46.30 -", "homo": "0.56 38.97 2.82 30.06 12.13 40.94 -"}
-#: FedFree's options (make_configs.py OPTIONS)
-FEDFREE_OPTIONS = {
-    "k": 2,
-    "selection": "topk",
-    "server_update": "align",
-    "server_lr": 0.01,
-    "server_steps": 1,
-    "pseudo_batch": 64,
-    "match": "depth",
-    "mismatch": "overlap",
-    "kge_candidates": "mapped",
-    "fill": "keep",
-    "kge_bins": 256,
-    "global_arch": "fedfree-cnn",
-}
+#: FedFree's options: the paper configurations' own (make_configs.py), so the quick table trains the same method
+FEDFREE_OPTIONS: dict[str, Any] = MAKE_CONFIGS_OPTIONS
 DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tinyimagenet": "TinyImageNet"}
 
 QUICK = {
