@@ -354,3 +354,33 @@ def test_an_existing_folder_that_is_not_a_run_is_never_written_into_or_removed(t
     err = cli_error(capsys, train_main, ["fedavg", "--partition", "nope", "--out-dir", str(tmp_path), "--run-name", "mine"])
     assert "already exists and is not a run" in err
     assert (mine / "notes.txt").read_text() == "a user's file\n"
+
+
+@needs_fmnist
+def test_evaluation_protocols_agree_with_each_other_and_leave_training_alone(tmp_path):
+    """``--eval both`` reports exactly what ``global`` and ``personal`` report on their own: the swap of a
+    client's own head in and out for the personal score changes nothing else (the global numbers and the
+    capture are those of a global-only run), and summary.json carries both protocols."""
+    args = ["fedre", "--subsample", "600", "--partition", "dir", "--rounds", "3", "--join-ratio", "0.5", "--no-progress", "--batch-size", "32"]
+    runs = {e: train(tmp_path, *args, "--eval", e, name=e) for e in ("global", "personal", "both")}
+    m = {e: metrics(r) for e, r in runs.items()}
+    assert [h["acc"] for h in m["both"]] == [h["acc"] for h in m["global"]]
+    assert [h["acc_personal"] for h in m["both"]] == [h["acc"] for h in m["personal"]]
+    assert [h["client_acc_personal"] for h in m["both"]] == [h["client_acc"] for h in m["personal"]]
+    assert any(h["acc_personal"] != h["acc"] for h in m["both"])  # FedRE's broadcast head does overwrite something
+    assert "acc_personal" not in m["global"][0] and "acc_personal" not in m["personal"][0]
+    sha = {e: [r["sha256"] for r in TensorStore(run / "capture", "capture").records()] for e, run in runs.items()}
+    assert sha["both"] == sha["global"] == sha["personal"]
+    summary = json.loads((runs["both"] / "summary.json").read_text())
+    assert summary["eval"] == "both"
+    assert summary["final_acc_personal"] == m["both"][-1]["acc_personal"]
+    assert summary["best_acc_personal"] == max(h["acc_personal"] for h in m["both"])
+    from privfl.verify import verify_run
+
+    assert verify_run(runs["both"]).ok
+
+
+@needs_fmnist
+def test_a_method_whose_broadcast_overwrites_nothing_scores_the_same_under_both_protocols(tmp_path):
+    run = train(tmp_path, "local", *QUICK, "--rounds", "2", "--eval", "both")
+    assert all(h["acc_personal"] == h["acc"] and h["client_acc_personal"] == h["client_acc"] for h in metrics(run))
