@@ -384,3 +384,29 @@ def test_evaluation_protocols_agree_with_each_other_and_leave_training_alone(tmp
 def test_a_method_whose_broadcast_overwrites_nothing_scores_the_same_under_both_protocols(tmp_path):
     run = train(tmp_path, "local", *QUICK, "--rounds", "2", "--eval", "both")
     assert all(h["acc_personal"] == h["acc"] and h["client_acc_personal"] == h["client_acc"] for h in metrics(run))
+
+
+def test_drop_last_and_fixed_order_batches():
+    from privfl.methods.base import DataView
+
+    view = DataView(torch.zeros(7, 1, 2, 2, dtype=torch.uint8), torch.arange(7), (0.0,), (1.0,), torch.device("cpu"))
+    idx = torch.tensor([5, 1, 3, 6, 0, 2, 4])
+    assert [y.tolist() for _, y in view.batches(idx, 3)] == [[5, 1, 3], [6, 0, 2], [4]]
+    assert [y.tolist() for _, y in view.batches(idx, 3, drop_last=True)] == [[5, 1, 3], [6, 0, 2]]
+    assert list(view.batches(idx[:2], 3, drop_last=True)) == []  # a client smaller than a batch trains nothing
+
+
+@needs_fmnist
+def test_same_init_gives_clients_of_one_architecture_one_initialisation(tmp_path):
+    """The initial weights, checked on the models the engine builds (before any training)."""
+    from privfl.config import build_config
+    from privfl.engine import Trainer
+
+    def initial(same: bool) -> list[torch.Tensor]:
+        values = {"method": "local", "subsample": 600, "partition": "iid", "same_init": same, "out_dir": str(tmp_path), "progress": False}
+        cfg = build_config(values, None)
+        trainer = Trainer(cfg, tmp_path / f"init-{same}")
+        return [next(iter(c.model.parameters())).detach().clone() for c in trainer.clients]
+
+    same, own = initial(True), initial(False)
+    assert torch.equal(same[0], same[5]) and not torch.equal(own[0], own[5])  # clients 0 and 5 share cnn4-narrow in cpu5
