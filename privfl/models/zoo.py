@@ -339,6 +339,8 @@ MODEL_GROUPS.register(
 MODEL_GROUPS.register("cpu5", ("cnn4-narrow", "mlp", "cnn3x3", "resnet-tiny", "cnn4"))
 MODEL_GROUPS.register("homo-cnn4", ("cnn4",))
 MODEL_GROUPS.register("homo-resnet18", ("resnet18",))
+# the quick homogeneous group with BatchNorm (FedBN keeps BN layers local; FedRep/DFedPGP split body and head)
+MODEL_GROUPS.register("homo-resnet-tiny", ("resnet-tiny",))
 
 
 def assign_archs(group: str, num_clients: int) -> list[str]:
