@@ -100,6 +100,12 @@ class TrainConfig:
         "personal (with its own parts after its last local training), or both",
         choices=("global", "personal", "both"),
     )
+    global_test: int = opt(
+        0,
+        "also score every client on a seeded subset of N samples of the union of all clients' test sets and report "
+        "Local-T/Global-T, the unweighted client means (DRDFL's metrics); 0: off; N >= the union: all of it",
+        min=0,
+    )
     eval_batch_size: int = opt(512, "batch size for evaluation and representation passes", min=1)
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")

@@ -1,10 +1,10 @@
-"""The in-process engine: star or ring topology, rounds, partial participation, evaluation, checkpoints.
+"""The in-process engine: star, ring or neighbour-graph topology, rounds, partial participation, evaluation, checkpoints.
 
 One process, models kept in memory on the chosen device, data resident as uint8. Every random draw
 is derived from (seed, purpose, round, client) (see :mod:`privfl.seeding`), so ``--resume`` after a
 kill repeats the remaining rounds exactly: same metrics, same capture. The method's topology
 (:mod:`privfl.topology`) decides who is live in a round: every client of a star (then ``--join-ratio``
-samples from them), the live nodes of a ring (failed nodes are skipped; rings take no join ratio).
+samples from them), the live nodes of a ring or graph (failed nodes are skipped; they take no join ratio).
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class Trainer:
         knowledge_rounds = parse_rounds(cfg.knowledge_rounds, cfg.rounds)
         opts = self.method_cls.Options(**cfg.options)
         self.topology = self.method_cls.build_topology(cfg, opts)
-        if self.topology.kind == "ring" and cfg.join_ratio != 1.0:
-            raise ConfigError(f"{cfg.method} runs on a ring: every live node takes part, so --join-ratio must be 1")
+        if self.topology.kind != "star" and cfg.join_ratio != 1.0:
+            raise ConfigError(f"{cfg.method} runs on a {self.topology.kind}: every live node takes part, so --join-ratio must be 1")
         for rnd in range(cfg.rounds):  # e.g. listed failures that take every ring node down in some round
             self.topology.alive(rnd)
 
@@ -291,7 +291,21 @@ class Trainer:
         if protocol != "both":
             return main
         personal = self._score(personal=True) if self.personal_differs else main
-        return {**main, **{k.replace("acc", "acc_personal", 1): v for k, v in personal.items()}}
+        return {**main, **{_personal_key(k): v for k, v in personal.items()}}
+
+    @property
+    def global_test_idx(self) -> torch.Tensor | None:
+        """``--global-test N``: a fixed seeded subset of the union of the clients' test sets (DRDFL's
+        Global-T set, spec §3.3: "the union of all clients' local test data"), the same every round."""
+        if self.cfg.global_test <= 0:
+            return None
+        if not hasattr(self, "_global_test_idx"):
+            union = torch.cat([c.test_idx.cpu() for c in self.clients]).sort().values
+            if self.cfg.global_test < len(union):
+                keep = np.sort(numpy_rng(self.cfg.seed, "global-test").permutation(len(union))[: self.cfg.global_test])
+                union = union[torch.from_numpy(keep)]
+            self._global_test_idx = union.to(self.clients[0].test_idx.device)
+        return self._global_test_idx
 
     @property
     def personal_differs(self) -> bool:
@@ -302,7 +316,8 @@ class Trainer:
         """Per-client test accuracy; the mean is sample-weighted (sum correct / sum test samples), the
         std is across clients (HtFLlib's convention). ``personal``: each client's personal parts as they
         were after its last local training are swapped in for the evaluation (then swapped back)."""
-        correct, totals = [], []
+        correct, totals, global_hits = [], [], []
+        union = self.global_test_idx
         for c in self.clients:
             c.model.eval()
             kept = self.method.personal.get(c.name, {}) if personal else {}
@@ -310,22 +325,29 @@ class Trainer:
             for part, tensors in kept.items():
                 self._part(c, part).load_state_dict(tensors)
             predict = self.method.predict_personal if personal else self.method.predict
-            hits = 0
-            for x, y in self.data.batches(c.test_idx, self.cfg.eval_batch_size):
-                hits += int((predict(c, x).argmax(1) == y).sum())
+            correct.append(self._hits(predict, c, c.test_idx))
+            totals.append(len(c.test_idx))
+            if union is not None:
+                global_hits.append(self._hits(predict, c, union))
             for part, tensors in current.items():
                 self._part(c, part).load_state_dict(tensors)
-            correct.append(hits)
-            totals.append(len(c.test_idx))
         accs = np.array(correct) / np.maximum(np.array(totals), 1)
-        return {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
+        out: dict[str, Any] = {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
+        if union is not None:
+            global_accs = np.array(global_hits) / max(len(union), 1)
+            out |= {"local_t": float(accs.mean()), "global_t": float(global_accs.mean()), "client_global_t": global_accs.round(6).tolist()}
+        return out
+
+    def _hits(self, predict: Any, client: Client, idx: torch.Tensor) -> int:
+        """How many of the samples ``idx`` the client's ``predict`` classifies correctly."""
+        return sum(int((predict(client, x).argmax(1) == y).sum()) for x, y in self.data.batches(idx, self.cfg.eval_batch_size))
 
     @staticmethod
     def _part(client: Client, part: str) -> torch.nn.Module:
         return client.model.get_submodule(part) if part else client.model
 
     def select(self, rnd: int) -> list[Client]:
-        if self.topology.kind == "ring":
+        if self.topology.kind != "star":  # ring or graph: every live node
             return [self.clients[i] for i in self.topology.alive(rnd)]
         k = max(1, int(round(self.cfg.join_ratio * len(self.clients))))
         if k == len(self.clients):
@@ -366,7 +388,7 @@ class Trainer:
                 "round": rnd,
                 "acc": ev["acc"],
                 "acc_std": ev["acc_std"],
-                **{k: ev[k] for k in ("acc_personal", "acc_personal_std") if k in ev},
+                **{k: ev[k] for k in ("acc_personal", "acc_personal_std", *GLOBAL_T_KEYS) if k in ev},
                 **{k: float(v) for k, v in extra.items()},
                 "selected": [c.index for c in selected],
                 "upload_scalars": comm.get("up", {}).get("paper_scalars", 0),
@@ -375,11 +397,11 @@ class Trainer:
                 "broadcast_scalars": comm.get("down", {}).get("paper_scalars", 0),
                 "broadcast_scalars_full": comm.get("down", {}).get("scalars", 0),
                 "broadcast_bytes": comm.get("down", {}).get("bytes", 0),
-                "peer_scalars": comm.get("peer", {}).get("paper_scalars", 0),  # client to client (ring)
+                "peer_scalars": comm.get("peer", {}).get("paper_scalars", 0),  # client to client (ring, graph)
                 "peer_bytes": comm.get("peer", {}).get("bytes", 0),
                 "comm": comm,
                 "client_acc": ev["client_acc"],
-                **({"client_acc_personal": ev["client_acc_personal"]} if "client_acc_personal" in ev else {}),
+                **{k: ev[k] for k in ("client_acc_personal", "client_global_t", "client_global_t_personal") if k in ev},
                 **({"defenses": {d.spec: d.report() for d in self.defenses}} if self.defenses else {}),
                 "seconds": round(time.perf_counter() - t0, 3),
             }
@@ -446,6 +468,17 @@ def client_split(labels: torch.Tensor, cfg: TrainConfig) -> Any:
     return split_train_test(parts, cfg.train_fraction, cfg.seed)
 
 
+#: the Local-T/Global-T columns of ``--global-test`` (unweighted means over clients), per protocol
+GLOBAL_T_KEYS = ("local_t", "global_t", "local_t_personal", "global_t_personal")
+
+
+def _personal_key(key: str) -> str:
+    """The personal protocol's name for a metric: acc -> acc_personal, global_t -> global_t_personal."""
+    if key.startswith(("acc", "client_acc")):
+        return key.replace("acc", "acc_personal", 1)
+    return key + "_personal"
+
+
 def summary_accuracies(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Final and best accuracy (± std across clients) of each protocol in the metrics: ``final_acc``,
     ``best_acc``, ``best_round``, and ``*_personal`` when the run evaluated both (verify compares them)."""
@@ -465,12 +498,15 @@ def summary_accuracies(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 f"best_round{suffix}": best["round"],
             }
         )
+    for key in GLOBAL_T_KEYS:  # --global-test: the last round's Local-T / Global-T
+        if history and key in history[-1]:
+            out[f"final_{key}"] = history[-1][key]
     return out
 
 
 def metrics_csv_text(history: Sequence[dict[str, Any]]) -> str:
     """``metrics.csv``: the main per-round columns of ``metrics.jsonl`` (verify compares the two)."""
-    cols = ["round", "acc", "acc_std", "acc_personal", "acc_personal_std", "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
+    cols = ["round", "acc", "acc_std", "acc_personal", "acc_personal_std", *GLOBAL_T_KEYS, "train_loss", "server_loss", *COMM_COLUMNS, "seconds"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, cols, extrasaction="ignore")
     writer.writeheader()

@@ -11,7 +11,7 @@ the others, so that damage one cannot see another catches:
    tensor shapes. A store the run declares (capture on) must exist.
 3. **Meaning**: each captured message checked against what the run says happened: its round within
    the run, parties that exist, a direction that matches its parties and the topology (star: client
-   to server and back; ring: a node to its live successor), a kind the method declares in ``sends``
+   to server and back; ring or graph: a node to a live neighbour of that round), a kind the method declares in ``sends``
    for that direction and whose declaration its tensors satisfy, scalar and byte counts that match
    its shapes, an uploader among the round's selected clients, and per round the same message count,
    scalars and bytes as the metrics recorded when the round ran. Every message with ground truth has
@@ -241,12 +241,12 @@ def _check_capture(facts: _RunFacts, records: list[dict[str, Any]], committed: i
             continue
         topo = facts.topology
         if topo is not None and rnd < facts.rounds:
-            if (topo.kind == "ring") != (direction == "peer"):
+            if (topo.kind != "star") != (direction == "peer"):
                 report.add("meaning", f"{where}: a {direction} message on a {topo.kind} topology")
             elif direction == "peer" and hasattr(topo, "edges"):
                 edge = (_client_index(sender, facts.num_clients), _client_index(receiver, facts.num_clients))
                 if edge not in topo.edges(rnd):
-                    report.add("meaning", f"{where}: {sender} -> {receiver} is not a live ring link in round {rnd}")
+                    report.add("meaning", f"{where}: {sender} -> {receiver} is not a live {topo.kind} link in round {rnd}")
         chosen = selected.get(rnd)
         if direction == "up" and isinstance(chosen, list) and _client_index(sender, facts.num_clients) not in chosen:
             report.add("meaning", f"{where}: {sender} uploads in round {rnd} but was not selected (selected: {chosen[:10]})")
