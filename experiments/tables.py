@@ -62,6 +62,14 @@ ACC_KEYS: dict[tuple[str, str], str] = {
     ("personal", "final"): "final_acc_personal",
     ("personal", "best"): "best_acc_personal",
 }
+#: DRDFL's metrics (``--global-test``; unweighted means over clients): summary keys, and the mean of the
+#: last ``LAST_K`` rounds read from metrics.jsonl (DRDFL Fig. 6 reports "the average of the last 10 rounds")
+LAST_K = 10
+T_KEYS: tuple[str, ...] = tuple(
+    f"{when}_{metric}{suffix}" for suffix in ("", "_personal") for metric in ("local_t", "global_t") for when in ("final", f"last{LAST_K}")
+)
+#: every per-run value a table reports in % (mean ± std over seeds)
+PCT_KEYS: tuple[str, ...] = (*ACC_KEYS.values(), *T_KEYS)
 #: settings that do not change what a run computes (a finished run is read whatever they were)
 NEUTRAL_KEYS = frozenset({"device", "progress", "out_dir", "run_name", "capture", "knowledge_every", "knowledge_rounds", "data_root", "download"})
 _TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
@@ -112,6 +120,15 @@ class Table:
     paper_comm: str = ""
     notes: list[str] = field(default_factory=list)
     setting: str = ""  # one line saying what the base configuration is
+    #: (header, key) of the accuracy columns; keys from PCT_KEYS (default: both protocols, final and best)
+    columns: Sequence[tuple[str, str]] = ()
+    #: communication as "up/bc" (×10³ scalars, the FedRE/FedMRL tables) or "total" (upload + broadcast + peer,
+    #: M scalars per round, DRDFL's #Comm)
+    comm: str = "up/bc"
+    #: (header, row.paper key) of paper columns shown after ours (default: the paper's accuracy, ``paper_acc``)
+    paper_columns: Sequence[tuple[str, str]] = ()
+    #: replaces the accuracy line of the legend (what the columns are)
+    accuracy_legend: str = ""
     #: lines computed from the aggregated rows (e.g. the paper's "FedMRL - best baseline" row), shown under the table
     summarize: Callable[[Sequence[Mapping[str, Any]]], list[str]] | None = None
 
@@ -248,6 +265,7 @@ def record_of(summary: Mapping[str, Any]) -> dict[str, Any]:
     rounds = max(int(summary.get("rounds", 0)), 1)
     per_round = summary.get("per_round", {})
     rec: dict[str, Any] = {key: summary.get(key) for key in ACC_KEYS.values()}
+    rec.update(_t_metrics(summary))
     rec.update(
         {
             "final_acc_std_clients": summary.get("final_acc_std"),
@@ -258,11 +276,29 @@ def record_of(summary: Mapping[str, Any]) -> dict[str, Any]:
             "broadcast_scalars_full": per_round.get("broadcast_scalars_full"),
             "upload_bytes": per_round.get("upload_bytes"),
             "broadcast_bytes": per_round.get("broadcast_bytes"),
+            "peer_scalars": per_round.get("peer_scalars"),
             "seconds_per_round": summary.get("train_seconds", 0.0) / rounds,
             "run_dir": summary.get("run_dir"),
         }
     )
     return rec
+
+
+def _t_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """Local-T/Global-T of a ``--global-test`` run: the final round's (summary.json) and the mean of the
+    last ``LAST_K`` rounds (metrics.jsonl); empty for a run without them."""
+    out: dict[str, Any] = {k: summary[k] for k in T_KEYS if k in summary}
+    if not out or not summary.get("run_dir"):
+        return out
+    path = Path(str(summary["run_dir"])) / "metrics.jsonl"
+    if not path.is_file():
+        return out
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][-LAST_K:]
+    for key in {k.split("_", 1)[1] for k in T_KEYS}:
+        vals = [r[key] for r in rows if key in r]
+        if vals:
+            out[f"last{LAST_K}_{key}"] = sum(vals) / len(vals)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -332,18 +368,21 @@ def aggregate(row: Row, runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]
     """Mean ± std over the seeds that finished (accuracies in %, communication in 10³ scalars)."""
     ok = [r for r in runs.values() if not str(r.get("status", "")).startswith("failed")]
     agg: dict[str, Any] = {"label": row.label, "method": row.method, "seeds_done": len(ok), "seeds_failed": len(runs) - len(ok)}
-    for key in ACC_KEYS.values():
+    for key in PCT_KEYS:
         mean, std = _mean_std([r.get(key) for r in ok])
         agg[key] = None if mean is None else round(100 * mean, 2)
         agg[f"{key}_std"] = None if std is None else round(100 * std, 2)
-    for key in ("upload_scalars", "broadcast_scalars", "upload_scalars_full", "broadcast_scalars_full"):
+    for key in ("upload_scalars", "broadcast_scalars", "upload_scalars_full", "broadcast_scalars_full", "peer_scalars"):
         mean, _ = _mean_std([r.get(key) for r in ok])
         agg[key.replace("_scalars", "_e3")] = None if mean is None else round(mean / 1e3, 2)
+    totals = [sum(float(r.get(k) or 0.0) for k in ("upload_scalars", "broadcast_scalars", "peer_scalars")) for r in ok]
+    agg["comm_m"] = round(sum(totals) / len(totals) / 1e6, 4) if totals else None
     mean, _ = _mean_std([r.get("seconds_per_round") for r in ok])
     agg["seconds_per_round"] = None if mean is None else round(mean, 3)
     agg["paper_acc"] = row.paper.get("acc")
     agg["paper_up_e3"] = row.paper.get("up")
     agg["paper_bc_e3"] = row.paper.get("bc")
+    agg.update({f"paper_{k}": v for k, v in row.paper.items() if k not in ("acc", "up", "bc")})
     agg["note"] = row.note
     failures = sorted({str(r["status"]) for r in runs.values() if str(r.get("status", "")).startswith("failed")})
     if failures:
@@ -403,27 +442,39 @@ def _cell(agg: Mapping[str, Any], key: str) -> str:
 
 def table_lines(table: Table, aggs: Sequence[Mapping[str, Any]], *, markdown: bool) -> list[str]:
     """The table in the paper's layout (one row per method), ours beside the paper's values."""
-    header = [name for name, _ in COLUMNS]
-    keys = [key for _, key in COLUMNS]
-    if table.paper_acc:
+    columns = [("Method", "label"), *table.columns] if table.columns else list(COLUMNS)
+    header = [name for name, _ in columns]
+    keys = [key for _, key in columns]
+    if table.paper_columns:
+        header += [name for name, _ in table.paper_columns]
+        keys += [f"paper_{key}" for _, key in table.paper_columns]
+    elif table.paper_acc:
         header.append(f"paper {table.paper_acc}")
         keys.append("paper_acc")
-    header += ["Up ×10³", "Bc ×10³"]
-    keys += ["upload_e3", "broadcast_e3"]
-    if table.paper_comm:
-        header += [f"paper Up ({table.paper_comm})", "paper Bc"]
-        keys += ["paper_up_e3", "paper_bc_e3"]
+    if table.comm == "total":
+        header.append("#Comm M/round")
+        keys.append("comm_m")
+        if table.paper_comm:
+            header.append(f"paper #Comm ({table.paper_comm})")
+            keys.append("paper_comm")
+    else:
+        header += ["Up ×10³", "Bc ×10³"]
+        keys += ["upload_e3", "broadcast_e3"]
+        if table.paper_comm:
+            header += [f"paper Up ({table.paper_comm})", "paper Bc"]
+            keys += ["paper_up_e3", "paper_bc_e3"]
     header.append("s/round")
     keys.append("seconds_per_round")
     body = []
     for agg in aggs:
         cells = []
         for key in keys:
-            if key in ("label", *ACC_KEYS.values()):
+            if key in ("label", *PCT_KEYS):
                 cells.append(_cell(agg, key))
             else:
                 v = agg.get(key)
-                cells.append("-" if v is None else (f"{v:.2f}" if isinstance(v, float) and key != "seconds_per_round" else str(v)))
+                digits = 4 if key == "comm_m" else 2
+                cells.append("-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) and key != "seconds_per_round" else str(v)))
         body.append(cells)
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
@@ -438,12 +489,22 @@ def table_lines(table: Table, aggs: Sequence[Mapping[str, Any]], *, markdown: bo
 
 def legend(table: Table) -> list[str]:
     n = len(table.seeds)
-    return [
-        f"Accuracy (%): mean ± std over {n} seed(s) ({', '.join(map(str, table.seeds))}) of the sample-weighted mean test accuracy over "
+    seeds = f"mean ± std over {n} seed(s) ({', '.join(map(str, table.seeds))})"
+    accuracy = (
+        f"Accuracy (%): {seeds} of the sample-weighted mean test accuracy over "
         "clients; global = each client's model with the latest global part it received (HtFLlib, the papers' tables), personal = "
-        "with its own parts after its last local training; final = last round, best = best round.",
-        "Up / Bc: scalars per round ×10³, paper-style (labels and class ids not counted): upload summed over clients, "
-        "broadcast = per-client payload × receivers. s/round: training seconds per round (local training, server, evaluation).",
+        "with its own parts after its last local training; final = last round, best = best round."
+    )
+    comm = (
+        "#Comm: scalars per round in millions, paper-style (labels and class ids not counted): everything sent in a round, "
+        "uploads + broadcasts (per-client payload × receivers) + peer messages."
+        if table.comm == "total"
+        else "Up / Bc: scalars per round ×10³, paper-style (labels and class ids not counted): upload summed over clients, "
+        "broadcast = per-client payload × receivers."
+    )
+    return [
+        f"{table.accuracy_legend} ({seeds})" if table.accuracy_legend else accuracy,
+        f"{comm} s/round: training seconds per round (local training, server, evaluation).",
     ]
 
 

@@ -31,7 +31,7 @@ from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
-from privfl.methods.base import EXPOSURES
+from privfl.methods.base import EXPOSURES, global_test_indices
 from privfl.methods.trainer import LocalTrainer
 from privfl.run import Run, load_checkpoint_state, load_partition, read_checkpoint
 from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
@@ -300,11 +300,7 @@ class Trainer:
         if self.cfg.global_test <= 0:
             return None
         if not hasattr(self, "_global_test_idx"):
-            union = torch.cat([c.test_idx.cpu() for c in self.clients]).sort().values
-            if self.cfg.global_test < len(union):
-                keep = np.sort(numpy_rng(self.cfg.seed, "global-test").permutation(len(union))[: self.cfg.global_test])
-                union = union[torch.from_numpy(keep)]
-            self._global_test_idx = union.to(self.clients[0].test_idx.device)
+            self._global_test_idx = global_test_indices([c.test_idx for c in self.clients], self.cfg.global_test, self.cfg.seed)
         return self._global_test_idx
 
     @property

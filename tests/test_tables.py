@@ -147,3 +147,32 @@ def test_toy_split_is_300_200_and_follows_the_seed():
     assert all(np.array_equal(a, b) for a, b in zip(first.train + first.test, same.train + same.test))
     other = split(1)
     assert not all(np.array_equal(a, b) for a, b in zip(first.train, other.train))
+
+
+def test_drdfl_table_reports_local_t_global_t_and_total_comm(tmp_path, fmnist):
+    from experiments.drdfl import table1 as drdfl_table1
+
+    table = drdfl_table1.build(drdfl_table1.parser().parse_args([]))
+    rows = {r.label: r for r in table.rows}
+    assert list(rows) == ["Local", "FedRep", "FedNova", "FedBN", "FedFed", "DFedPGP", "FedCVAE", "DisPFL", "DRDFL"]
+    assert all(rows[label].options.get("topology") == "ring" for label in ("DFedPGP", "FedCVAE", "DisPFL"))
+    assert rows["FedRep"].options == {"body_epochs": 4, "head_epochs": 1} and table.base["global_test"] == 1000
+    assert rows["DRDFL"].paper == {"local_t": "92.91", "global_t": "28.19", "comm": "0.58 M"}  # C10 Dir(0.1), Table I
+    shard = drdfl_table1.build(drdfl_table1.parser().parse_args(["--setting", "shard4"]))
+    assert next(r for r in shard.rows if r.label == "FedNova").paper == {"local_t": "88.12", "global_t": "33.51", "comm": "213.45 M"}
+
+    out = tmp_path / "d"
+    argv = ["--methods", "local,drdfl", "--subsample", "400", "--rounds", "2", "--seeds", "0", "--num-clients", "4", "--out", str(out)]
+    assert drdfl_table1.main(argv) == 0
+    result = json.loads((out / "table.json").read_text())
+    got = {r["label"]: r for r in result["rows"]}
+    for agg in got.values():
+        for key in ("final_local_t_personal", "final_global_t_personal", "last10_local_t_personal", "last10_global_t_personal"):
+            assert agg[key] is not None and 0 <= agg[key] <= 100, key
+    run = json.loads((out / "runs" / "drdfl-s0" / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "runs" / "drdfl-s0" / "metrics.jsonl").read_text().splitlines()]
+    assert got["DRDFL"]["last10_global_t_personal"] == round(100 * np.mean([m["global_t_personal"] for m in metrics]), 2)
+    assert got["DRDFL"]["final_local_t_personal"] == round(100 * run["final_local_t_personal"], 2)
+    assert got["Local"]["comm_m"] == 0 and got["DRDFL"]["comm_m"] == round(run["per_round"]["peer_scalars"] / 1e6, 4) > 0
+    md = (out / "table.md").read_text()
+    assert "Global-T last-10" in md and "#Comm M/round" in md and "paper L (C10 dir0.1, ref.)" in md

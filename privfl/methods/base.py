@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -392,6 +393,19 @@ def class_prototypes(reps: torch.Tensor, labels: torch.Tensor, num_classes: int)
     sums.index_add_(0, labels, reps)
     present = torch.nonzero(counts, as_tuple=False).flatten()
     return present, sums[present] / counts[present].unsqueeze(1).to(reps.dtype), counts[present]
+
+
+def global_test_indices(test_sets: list[torch.Tensor], n: int, seed: int) -> torch.Tensor:
+    """DRDFL's Global-T set (spec §3.3, "the union of all clients' local test data"): the sorted union of
+    the clients' test indices, or a seeded subset of ``n`` of them when ``0 < n`` < the union. One rule
+    for the engine's ``--global-test`` and DRDFL's own ``global_test_samples``, so their numbers agree."""
+    from privfl.seeding import numpy_rng
+
+    union = torch.cat([t.cpu() for t in test_sets]).sort().values
+    if 0 < n < len(union):
+        keep = np.sort(numpy_rng(seed, "global-test").permutation(len(union))[:n])
+        union = union[torch.from_numpy(keep)]
+    return union.to(test_sets[0].device)
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

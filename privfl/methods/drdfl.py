@@ -32,8 +32,8 @@ from torchvision.models.resnet import BasicBlock
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
-from privfl.seeding import derive_seed, numpy_rng
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, global_test_indices
+from privfl.seeding import derive_seed
 from privfl.topology import Ring, parse_failures
 
 LOG_2PI = math.log(2 * math.pi)
@@ -407,12 +407,8 @@ class DRDFL(FLMethod):
         self.trained_from = torch.full((n,), -1, dtype=torch.int64)
         self.last_trained = torch.full((n,), -1, dtype=torch.int64)
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # token schedule
-        union = torch.cat([c.test_idx for c in env.clients])
-        m = self.opts.global_test_samples
-        if 0 < m < len(union):
-            pick = numpy_rng(self.cfg.seed, "global-test").choice(len(union), m, replace=False)
-            union = union[torch.as_tensor(sorted(pick), device=union.device)]
-        self.global_test = union  # evaluation only: the union of local test sets (Global-T), never sent
+        # evaluation only, never sent: the union of local test sets (Global-T), drawn as the engine's --global-test
+        self.global_test = global_test_indices([c.test_idx for c in env.clients], self.opts.global_test_samples, self.cfg.seed)
 
     # ------------------------------------------------------------------ what crosses the wire
     @staticmethod
@@ -508,7 +504,8 @@ class DRDFL(FLMethod):
                 sizes = {"learngene": lg.paper_scalars, "gaussians": ga.paper_scalars}
                 self.inbox[succ] = (rnd, lg.tensors, ga.tensors)
         out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if stats else {}
-        out.update(self.evaluate_paper_metrics())
+        if self.cfg.global_test == 0:  # else the engine scores Local-T/Global-T for every protocol (same rule)
+            out.update(self.evaluate_paper_metrics())
         out["live_nodes"] = float(len(live))
         out.update({f"{k}_scalars": float(v) for k, v in sizes.items()})
         return out
