@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from privfl.cli import run_cli
 from privfl.errors import ConfigError
 from privfl.topology import Graph, Ring, parse_failures
 from privfl.train import main as train_main
@@ -85,3 +86,52 @@ def test_global_t_scores_every_client_on_the_union_of_test_sets(tmp_path: Path, 
     assert train_main([*argv, "--out-dir", str(tmp_path), "--run-name", "off"]) == 0
     (plain,) = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert "global_t" not in plain and plain["acc"] == last["acc"]  # the metric changes nothing else
+
+
+def test_drdfl_runs_on_a_kregular_graph_and_mixes_the_mean_of_its_neighbours(tmp_path: Path, fmnist):
+    """Every node receives from its two k-regular neighbours (peer messages only along the round's
+    edges, as verify checks); with one received state absorb_all is the paper's absorb."""
+    from privfl.run import Run
+    from privfl.verify import verify_run
+
+    argv = ["drdfl", "--subsample", "400", "--num-clients", "4", "--rounds", "1", "--no-progress", "--partition", "iid"]
+    assert train_main([*argv, "--topology", "kregular", "--degree", "2", "--out-dir", str(tmp_path), "--run-name", "k"]) == 0
+    run = Run.open(tmp_path / "k")
+    assert run.info["topology"] == "graph"
+    learngene = [r for r in run.capture.records() if r["kind"] == "learngene"]
+    assert len(learngene) == 4 * 2 and {(r["sender"], r["receiver"]) for r in learngene} == {
+        (f"client{s}", f"client{m}") for s, m in Graph(4, "kregular", 2, seed=0).edges(0)
+    }
+    assert verify_run(tmp_path / "k").ok
+    bad = [*argv, "--topology", "random", "--schedule", "token", "--out-dir", str(tmp_path), "--run-name", "bad"]
+    assert run_cli("privfl.train", lambda: train_main(bad)) == 2
+    assert not (tmp_path / "bad").exists()
+
+    # mixing: two received states act as their mean; the Gaussians' EMA moves towards the mean too
+    import torch
+
+    from privfl.capture import Message
+    from privfl.config import build_config
+    from privfl.engine import Trainer
+    from privfl.methods import METHODS
+
+    cfg = build_config({"method": "drdfl", "subsample": 400, "num_clients": 4, "partition": "iid", "progress": False}, METHODS.get("drdfl").Options)
+    method = Trainer(cfg, tmp_path / "mix").method
+    a, b, c = method.env.clients[:3]
+    with torch.no_grad():
+        for p in b.model.learngene.parameters():
+            p.add_(1.0)
+    msgs = [
+        (
+            Message(0, x.name, a.name, "learngene", method.learngene_tensors(x.model), {"trained": True}),
+            Message(0, x.name, a.name, "gaussians", method.gaussian_tensors(x.model), {"trained": True}),
+        )
+        for x in (b, c)
+    ]
+    own = {k: v.clone() for k, v in a.model.learngene.state_dict().items()}
+    method.last_trained[a.index] = 0  # a trained node mixes (a new one would adopt)
+    method.absorb_all(a, msgs)
+    for k, v in a.model.learngene.state_dict().items():
+        if v.is_floating_point():
+            expected = (own[k] + (msgs[0][0].tensors[f"learngene.{k}"] + msgs[1][0].tensors[f"learngene.{k}"]) / 2) / 2
+            assert torch.allclose(v, expected), k

@@ -15,7 +15,9 @@ The ring (``privfl.topology.Ring``): node m sends ``learngene`` (every tensor of
 phi <- (phi~ + phi)/2 and mu, Sigma <- alpha * own + (1 - alpha) * received (alpha 0.99). Nothing
 else leaves a client. ``schedule=sync`` (default, Alg. 1): every live node sends its state at the
 start of round t (its state after round t-1), then all mix and train. ``schedule=token``: the model
-passes around the ring within a round, each node mixing, training, then sending.
+passes around the ring within a round, each node mixing, training, then sending. ``topology`` other than
+``ring`` (privfl.topology.Graph: ring2, kregular, random, full; sync schedule only) is an extension: a node
+receives from every in-neighbour and mixes the mean of their states by the same rules.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from torchvision.models.resnet import BasicBlock
 
 from privfl.capture.message import Message
 from privfl.config import opt
+from privfl.errors import ConfigError
 from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, global_test_indices
 from privfl.seeding import derive_seed
-from privfl.topology import Ring, parse_failures
+from privfl.topology import GRAPH_SHAPES, Graph, Ring, build_graph, parse_failures
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -47,6 +50,10 @@ class DRDFLOptions:
     run_defaults: ClassVar[dict[str, Any]] = {"subsample": 6000, "rounds": 5}
 
     schedule: str = opt("sync", "ring schedule: sync (Alg. 1, all nodes in parallel) or token (model passed node to node)", choices=("sync", "token"))
+    topology: str = opt(
+        "ring", "neighbour graph (privfl.topology): ring (the paper's), or ring2/kregular/random/full with schedule=sync", choices=GRAPH_SHAPES
+    )
+    degree: int = opt(2, "neighbours per node for topology kregular (even) and random", min=1)
     failures: str = opt("", "ring node outages NODE@ROUND (down from then on) or NODE@FIRST-LAST, comma separated")
     failure_rate: float = opt(0.0, "seeded per-round probability that a node is down (transient)", min=0, max_exclusive=1)
     latent_dim: int = opt(64, "d_l: Learngene latent size", min=1)
@@ -391,13 +398,19 @@ class DRDFL(FLMethod):
         return DRDFLModel(learngene, personanet, decoder, classifier, gaussians, adversary, o)
 
     @classmethod
-    def build_topology(cls, cfg: Any, opts: DRDFLOptions) -> Ring:
-        return Ring(cfg.num_clients, parse_failures(opts.failures, cfg.num_clients), opts.failure_rate, cfg.seed)
+    def build_topology(cls, cfg: Any, opts: DRDFLOptions) -> Ring | Graph:
+        """The paper's ring, or any neighbour graph on the sync schedule (a node then mixes the mean of
+        the states it receives: phi <- (mean phi~ + phi)/2, the Gaussians' EMA towards their mean)."""
+        if opts.topology == "ring":
+            return Ring(cfg.num_clients, parse_failures(opts.failures, cfg.num_clients), opts.failure_rate, cfg.seed)
+        if opts.schedule != "sync":
+            raise ConfigError(f"drdfl: schedule={opts.schedule} passes one model around a ring; topology {opts.topology} needs schedule=sync")
+        return build_graph(cfg, opts)
 
     def __init__(self, env):
         super().__init__(env)
         n, K = len(env.clients), env.num_classes
-        self.topology: Ring = env.topology if isinstance(env.topology, Ring) else self.build_topology(self.cfg, self.opts)
+        self.topology: Ring | Graph = env.topology if isinstance(env.topology, Ring | Graph) else self.build_topology(self.cfg, self.opts)
         if self.opts.prior == "local":
             for c in env.clients:
                 counts = torch.bincount(env.data.labels[c.train_idx], minlength=K).float() + 1.0  # Laplace smoothing
@@ -439,6 +452,19 @@ class DRDFL(FLMethod):
         return lg, ga
 
     @torch.no_grad()
+    def absorb_all(self, client: Client, received: list[tuple[Message, Message]]) -> None:
+        """Mix the states of one round's in-neighbours: their mean as the received state (on the paper's
+        ring there is one, and this is :meth:`absorb` of it). A node that never trained adopts the mean
+        of the trained ones when ``join_adopt``; untrained senders count only when nobody trained."""
+        trained = [(lg, ga) for lg, ga in received if lg.meta["trained"]]
+        use = trained or received
+
+        def mean(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return {k: torch.stack([t[k] for t in tensors]).mean(0) if v.is_floating_point() else v for k, v in tensors[0].items()}
+
+        self.absorb(client, mean([lg.tensors for lg, _ in use]), mean([ga.tensors for _, ga in use]), bool(trained))
+
+    @torch.no_grad()
     def absorb(self, client: Client, learngene: dict[str, torch.Tensor], gaussians: dict[str, torch.Tensor], trained: bool) -> None:
         """Mix a received state in: phi <- (phi~ + phi)/2, Gaussians by EMA; a node that never trained
         adopts a trained neighbour's state outright when ``join_adopt`` (new clients, Fig. 8)."""
@@ -471,16 +497,16 @@ class DRDFL(FLMethod):
         stats: list[dict[str, float]] = []
         sizes: dict[str, int] = {}
         if self.opts.schedule == "sync":
-            # every live node sends its state after round t-1 to its next live node, then all train
-            delivered = {}
+            # every live node sends its state after round t-1 to its out-neighbours (ring: the next live
+            # node), then all mix what they received and train
+            delivered: dict[int, list[tuple[Message, Message]]] = {}
             for m, nxt in self.topology.edges(rnd):
                 lg, ga = self.send_state(rnd, self.env.clients[m], self.env.clients[nxt], {"state_after_round": rnd - 1})
-                delivered[nxt] = (lg, ga)
+                delivered.setdefault(nxt, []).append((lg, ga))
                 sizes = {"learngene": lg.paper_scalars, "gaussians": ga.paper_scalars}
             for c in selected:
                 if c.index in delivered:
-                    lg, ga = delivered[c.index]
-                    self.absorb(c, lg.tensors, ga.tensors, lg.meta["trained"])
+                    self.absorb_all(c, delivered[c.index])
                     self.trained_from[c.index] = rnd
                 else:
                     self.trained_from[c.index] = -1  # alone on the ring: trained from its own state only
@@ -497,6 +523,7 @@ class DRDFL(FLMethod):
                     self.trained_from[c.index] = -1
                 stats.append(self.train_client(rnd, c))
                 self.last_trained[c.index] = rnd
+                assert isinstance(self.topology, Ring)  # build_topology refuses the token schedule on other graphs
                 succ = self.topology.successor(c.index, rnd)
                 if succ is None:
                     continue
