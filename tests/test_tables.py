@@ -102,11 +102,13 @@ def test_a_missing_method_is_one_line_and_exit_2(tmp_path, capsys):
     assert [r["label"] for r in result["rows"]] == ["Local"] and result["skipped"][0]["method"] == "nosuchmethod"
 
 
-def test_fedre_script_rows_and_missing_rows(tmp_path, capsys, fmnist):
-    # a paper row whose method privfl does not have (FedALA, Table 12) stops the script, naming it
-    code = fedre_table1.main(["--homo", "--methods", "fedala,local", "--out", str(tmp_path / "homo")])
+def test_fedre_script_rows_and_missing_rows(tmp_path, capsys, fmnist, monkeypatch):
+    # a paper row whose method privfl does not have stops the script, naming it (FedALA made unknown here)
+    monkeypatch.setitem(fedre_table1.METHOD_OF, "FedALA", "fedala-not-registered")
+    code = fedre_table1.main(["--homo", "--methods", "fedala-not-registered,local", "--out", str(tmp_path / "homo")])
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "FedALA (fedala)" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "FedALA (fedala-not-registered)" in err
+    assert not (tmp_path / "homo").exists()
     assert run_cli("x", lambda: fedre_table1.main(["--methods", "nosuch"])) == 2
 
     out = tmp_path / "t1"
