@@ -1,18 +1,19 @@
-"""FedALA (Zhang, Hua, Wang, Shen, Wang, Guan, "FedALA: Adaptive Local Aggregation for Personalized
-Federated Learning", AAAI 2023, arXiv 2212.01197): FedAvg whose clients merge the global model into
-their own by learned element-wise weights.
+"""FedALA (Jianqing Zhang, Yang Hua, Hao Wang, Tao Song, Zhengui Xue, Ruhui Ma, Haibing Guan, "FedALA:
+Adaptive Local Aggregation for Personalized Federated Learning", AAAI 2023, arXiv 2212.01197): FedAvg
+whose clients merge the global model into their own by learned element-wise weights.
 
 The server is FedAvg's: clients upload their full models (kind ``model``, up; meta ``num_samples``), the
 server averages them weighted by sample count and broadcasts the result (kind ``model``, down). What
 changes is how a client takes a received global model Theta into its local model Theta_i: Adaptive
-Local Aggregation (ALA, the paper's Eq. (4)-(6)),
+Local Aggregation (ALA, the paper's Sec. "Adaptive Local Aggregation" and Algorithm 1; numbered here, not
+by the paper's equation numbers, which this file does not rely on):
 
-    Theta_i <- Theta_i + (Theta - Theta_i) (.) [1^{|Theta_i| - p}; W_i^p],
+    (A1)  Theta_i <- Theta_i + (Theta - Theta_i) (.) [1^{|Theta_i| - p}; W_i^p],
 
 that is, the lower layers take the global values (their weight is fixed to 1) and the top p layers take
 ``Theta_i + (Theta - Theta_i) * W`` with element-wise weights W_i in [0, 1]. W_i starts at ones and is
 learned on a random s% of the client's train set by gradient descent on the local loss of the merged
-model, ``W <- clamp(W - eta * grad_theta L * (Theta - Theta_i), 0, 1)`` (Eq. (6); the factor is the chain
+model, (A2) ``W <- clamp(W - eta * grad_theta L * (Theta - Theta_i), 0, 1)`` (the factor is the chain
 rule through the merge), recomputing the merged top layers after each batch. The first time a client
 runs ALA, W is trained until the standard deviation of the last ``num_pre_loss`` recorded losses falls
 below ``threshold``; afterwards one epoch per round, starting from the client's previous W (the paper's
@@ -137,7 +138,9 @@ class FedALA(FedAvg):
     sends = {"model": "up/down"}
     Options = FedALAOptions
     requires_homogeneous = True
-    paper = "Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023 (arXiv 2212.01197)"
+    paper = (
+        "Zhang, Hua, Wang, Song, Xue, Ma, Guan, FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023 (arXiv 2212.01197)"
+    )
     # personal_parts = ("",) (GlobalModelServer's): the broadcast changes the whole model, see the docstring
 
     def __init__(self, env):

@@ -3,22 +3,25 @@ Federated Learning", ICML 2021, arXiv 2102.07078): one shared representation, a 
 
 The client model is split as privfl's :class:`~privfl.models.split.SplitModel`: the **body** is the
 representation phi = extractor + representation mapping (``features.*``, ``mapping.*``), the **head**
-h_i is ``head.*``. The head never leaves the client. Per round t (the paper's Algorithm 1):
+h_i is ``head.*``. The head never leaves the client. The objective is
+min_phi (1/n) sum_i min_{h_i} f_i(h_i o phi). Per round t (the paper's Algorithm 1; the step numbers
+below are ours, the paper writes them as lines of the algorithm, not as numbered equations):
 
 1. each selected client i starts from the global body phi^t it last received and its own head h_i;
-2. it trains the head with the body frozen for ``head_epochs`` (the paper's head update, Eq. (3)
-   ``h_i <- GRD(f_i(h_i, phi^t), h_i, alpha)`` repeated), then the body with that new head frozen for
-   ``body_epochs`` (Eq. (4) ``phi_i <- GRD(f_i(h_i, phi_i), phi_i, alpha)``);
+2. it trains the head with the body frozen for ``head_epochs`` (the head update
+   ``h_i <- GRD(f_i(h_i, phi^t), h_i, alpha)``, repeated), then the body with that new head frozen for
+   ``body_epochs`` (the representation update ``phi_i <- GRD(f_i(h_i, phi_i), phi_i, alpha)``, repeated);
 3. it uploads phi_i (kind ``model``, up; meta ``num_samples``);
-4. the server averages the bodies, weighted by sample count (Eq. (5), weights n_i / sum n_j over the
-   selected clients) and broadcasts phi^{t+1} (kind ``model``, down) to every client, which loads it under
-   its own head.
+4. the server averages the bodies, phi^{t+1} = sum_i (n_i / sum_j n_j) phi_i over the selected clients
+   (``weighting=samples``, as PFLlib; the paper's Algorithm 1 averages uniformly over the selected
+   clients: ``weighting=uniform``), and broadcasts phi^{t+1} (kind ``model``, down) to every client,
+   which loads it under its own head.
 
 What is sent, per client per round: its body up and the global body down, each ``|phi|`` scalars: the
 parameter count of features + mapping. homo-cnn4 on Fashion-MNIST: 832 + 51,264 + 524,800 = 576,896;
-the same CNN on CIFAR (3x32x32): 873,408; torchvision ResNet-18 without its fc (DRDFL's model, 3
-channels): 11,176,512. The setup broadcast of the initial body (round 0, meta ``phase=setup``) comes
-once on top.
+the same CNN on CIFAR (3x32x32): 873,408; torchvision ResNet-18 without its fc (privfl's ``resnet18``,
+3 channels; DRDFL's tables use a ResNet-18): 11,176,512. The setup broadcast of the initial body
+(round 0, meta ``phase=setup``) comes once on top.
 
 Decisions where the paper is open or the references differ:
 
@@ -121,6 +124,9 @@ class FedRepOptions:
     body_epochs: int | None = opt(
         None, "epochs on the shared body with the head frozen, second (default: --local-epochs, as PFLlib; DRDFL: 4)", min=0
     )
+    weighting: str = opt(
+        "samples", "body average: samples (PFLlib: weighted by train-set size) or uniform (the paper's Algorithm 1)", choices=("samples", "uniform")
+    )
 
 
 @METHODS.register("fedrep")
@@ -191,7 +197,7 @@ class FedRep(FLMethod):
             msg = Message(rnd, client.name, "server", "model", body_state(client.model), meta)
             received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
         # the server uses what it received (after defenses), nothing else
-        self.body = average_heads(received, "samples")
+        self.body = average_heads(received, self.opts.weighting)
         self.broadcast_body(rnd)
         keys = sorted({k for p in parts for k in p})
         return {k: sum(p[k] for p in parts if k in p) / max(sum(k in p for p in parts), 1) for k in keys}
