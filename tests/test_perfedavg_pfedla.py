@@ -1,0 +1,371 @@
+"""Per-FedAvg and pFedLA: the full-model count per message, and the known properties of each.
+
+Per-FedAvg: a local step is the hand-computed two-batch MAML step (PFLlib's order); HF differs from FO by
+exactly -alpha times the Hessian-vector product on the third batch; the personalised model is the global
+one after one seeded gradient step on the client's own train data, and computing it changes nothing
+else in the run. pFedLA: the weights per layer sum to 1 and differ per client; frozen to uniform they
+make every download the plain average of the uploads; the hypernetwork step is the chain rule through
+the aggregation and (as descent) brings the aggregate closer to the upload; HeurpFedLA keeps the client's
+own layers; both resume exactly after an interruption.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from privfl.config import build_config
+from privfl.engine import TrainCallback
+from privfl.methods import METHODS
+from privfl.methods import perfedavg as perfedavg_module
+from privfl.methods.base import module_tensors
+from privfl.methods.perfedavg import meta_objective, split_batch
+from privfl.methods.pfedla import layer_weights
+from privfl.run import Run
+from privfl.seeding import torch_generator
+from tests.test_train import metrics, needs_fmnist
+
+#: homo-cnn4 on Fashion-MNIST from its layer shapes: conv 5x5 1->32, conv 5x5 32->64, Linear(1024, 512), head Linear(512, 10)
+CNN4_FMNIST = (32 * 1 * 5 * 5 + 32) + (64 * 32 * 5 * 5 + 64) + (1024 * 512 + 512) + (512 * 10 + 10)
+
+
+def trainer(tmp_path: Path, method: str, name: str = "run", **values: Any):
+    """An engine Trainer built in-process (homo-cnn4), so a test can look at models mid-run."""
+    from privfl.engine import Trainer
+
+    base = {
+        "method": method,
+        "subsample": 300,
+        "num_clients": 3,
+        "partition": "dir",
+        "alpha": 0.5,
+        "min_samples": 10,
+        "rounds": 2,
+        "progress": False,
+        "batch_size": 16,
+        "model_group": "homo-cnn4",
+        "out_dir": str(tmp_path),
+        "device": "cpu",
+    }
+    cfg = build_config({**base, **values}, METHODS.get(method).Options)
+    return Trainer(cfg, tmp_path / name)
+
+
+def by_round(records: list[dict], rnd: int, direction: str) -> list[dict]:
+    return [r for r in records if r["round"] == rnd and r["direction"] == direction and r["meta"].get("phase") != "setup"]
+
+
+# ------------------------------------------------------------------------------------------ counts
+@needs_fmnist
+@pytest.mark.parametrize("method", ["perfedavg", "pfedla"])
+def test_every_message_is_the_full_model_and_every_client_gets_one(tmp_path, method):
+    assert CNN4_FMNIST == 582_026
+    t = trainer(tmp_path, method, num_clients=10, partition="iid", min_samples=None, rounds=1)
+    t.run()
+    recs = t.capture.records()
+    setup = [r for r in recs if r["meta"].get("phase") == "setup"]
+    ups, downs = by_round(recs, 0, "up"), by_round(recs, 0, "down")
+    assert len(setup) == len(ups) == len(downs) == 10
+    assert {r["receiver"] for r in downs} == {f"client{i}" for i in range(10)}
+    assert all(r["kind"] == "model" and r["paper_scalars"] == r["scalars"] == CNN4_FMNIST for r in setup + ups + downs)
+    m = t.history[-1]
+    assert m["upload_scalars"] == m["broadcast_scalars"] == 10 * CNN4_FMNIST == 5_820_260
+
+
+# ------------------------------------------------------------------------------------------ Per-FedAvg
+def test_split_batch_gives_b_per_role_and_reuses_a_tiny_batch():
+    x, y = torch.arange(20).float().unsqueeze(1), torch.arange(20)
+    parts = split_batch(x, y, 2)
+    assert [len(p[1]) for p in parts] == [10, 10] and torch.equal(parts[1][1], torch.arange(10, 20))
+    assert [len(p[1]) for p in split_batch(x[:7], y[:7], 3)] == [3, 2, 2]
+    assert all(torch.equal(p[1], y[:2]) for p in split_batch(x[:2], y[:2], 3))
+
+
+@needs_fmnist
+def test_perfedavg_fo_local_training_is_the_hand_computed_two_batch_step(tmp_path, monkeypatch):
+    """Replaying client 1's round-0 training by hand on the batches the shared trainer drew (PFLlib's
+    order: a temporary SGD step on the first half, the gradient there on the second half, applied to w)
+    gives the same model; the upload says lr = beta and tau = the meta steps."""
+    t = trainer(tmp_path, "perfedavg", rounds=1, local_epochs=2, lr=0.05, options={"beta": 0.03})
+    t.method.setup()
+    client = t.clients[1]
+    twin = copy.deepcopy(client.model)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = perfedavg_module.meta_objective
+
+    def recording(*args, **kw):
+        objective = real(*args, **kw)
+
+        def wrapped(model, x, y):
+            seen.append((x.clone(), y.clone()))
+            return objective(model, x, y)
+
+        return wrapped
+
+    monkeypatch.setattr(perfedavg_module, "meta_objective", recording)
+    stats = t.method.local_update(0, client)
+    b, alpha, beta = 16, 0.05, 0.03
+    n = len(client.train_idx)
+    assert stats.steps == len(seen) == 2 * -(-n // (2 * b)) and sum(len(y) for _, y in seen) == 2 * n
+    assert len(seen[0][1]) == 2 * b
+    twin.train()
+    params = list(twin.parameters())
+    for x, y in seen:
+        half = -(-len(y) // 2)
+        start = [p.detach().clone() for p in params]
+        grads = torch.autograd.grad(F.cross_entropy(twin(x[:half]), y[:half]), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(alpha * g)
+        grads = torch.autograd.grad(F.cross_entropy(twin(x[half:]), y[half:]), params)
+        with torch.no_grad():
+            for p, s, g in zip(params, start, grads):
+                p.copy_(s - beta * g)
+    for k, v in twin.state_dict().items():
+        assert torch.allclose(v, client.model.state_dict()[k], atol=1e-6), k
+
+
+def _flat_hessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(v: torch.Tensor) -> torch.Tensor:
+        parts, start = {}, 0
+        for name, shape in zip(names, shapes):
+            size = int(torch.Size(shape).numel())
+            parts[name] = v[start : start + size].view(shape)
+            start += size
+        return F.cross_entropy(functional_call(model, parts, (x,)), y)
+
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+def test_perfedavg_hf_differs_from_fo_by_exactly_the_hessian_vector_term():
+    """On a tiny float64 model: the HF objective's gradient minus the FO objective's is
+    -alpha H f(w; D'') grad f(w'; D') (the Hessian computed whole by autograd); the central difference
+    with a small delta approximates it; both objectives have the value f(w'; D')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(15, 4, dtype=torch.float64), torch.randint(0, 3, (15,))
+    alpha = 0.3
+    params = list(model.parameters())
+
+    def grad_of(objective) -> tuple[torch.Tensor, float]:
+        loss, _ = objective(model, x, y)
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]), float(loss.detach())
+
+    (x0, y0), (x1, y1), (x2, y2) = split_batch(x, y, 3)
+    g_fo, value_fo = grad_of(lambda m, a, b: meta_objective(alpha, "fo")(m, torch.cat([x0, x1]), torch.cat([y0, y1])))
+    g_hf, value_hf = grad_of(meta_objective(alpha, "hf", hf_delta=0.0))
+    g_fd, _ = grad_of(meta_objective(alpha, "hf", hf_delta=1e-4))
+    # the FO gradient is grad f(w'; D') with w' = w - alpha grad f(w; D), written out here
+    probe = copy.deepcopy(model)
+    g0 = torch.autograd.grad(F.cross_entropy(probe(x0), y0), list(probe.parameters()))
+    with torch.no_grad():
+        for p, g in zip(probe.parameters(), g0):
+            p.sub_(alpha * g)
+    v = torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(probe(x1), y1), list(probe.parameters()))])
+    assert torch.allclose(g_fo, v, atol=1e-12)
+    hv = _flat_hessian(model, x2, y2) @ v
+    assert hv.abs().max() > 1e-3  # the term is not negligible here
+    assert torch.allclose(g_hf - g_fo, -alpha * hv, atol=1e-10)
+    assert torch.allclose(g_fd - g_fo, -alpha * hv, atol=1e-6)
+    assert value_hf == pytest.approx(value_fo, abs=1e-12)
+
+
+@needs_fmnist
+def test_perfedavg_personal_model_is_one_step_on_own_train_data_and_leaks_nothing(tmp_path):
+    """After each round every client holds the global model; its personal part is that model after one
+    alpha-step on a seeded batch of its train split. Computing it changes no message and no global score
+    (a run with adapt_steps = 0 captures the same tensors), only the personal scores."""
+    t = trainer(tmp_path, "perfedavg", name="one")
+    t.run()
+    recs = t.capture.records()
+    glob = t.capture.load(by_round(recs, 1, "down")[0])
+    for client in t.clients:
+        assert all(torch.equal(v, glob[k]) for k, v in client.model.state_dict().items())
+        model = copy.deepcopy(client.model)
+        model.train()
+        gen = torch_generator(t.cfg.seed, "perfedavg-adapt", 1, client.index, 0)
+        x, y = next(iter(t.data.batches(client.train_idx, 16, gen)))
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+        expected = {n: p.detach() - t.cfg.lr * g for (n, p), g in zip(model.named_parameters(), grads)}
+        personal = t.method.personal[client.name][""]
+        assert all(torch.allclose(personal[k], v, atol=1e-6) for k, v in expected.items())
+        assert not torch.equal(personal["head.bias"], glob["head.bias"])
+    u = trainer(tmp_path, "perfedavg", name="zero", options={"adapt_steps": 0})
+    u.run()
+    assert [r["sha256"] for r in recs] == [r["sha256"] for r in u.capture.records()]
+    assert [h["acc"] for h in t.history] == [h["acc"] for h in u.history]
+    assert [h["acc_personal"] for h in u.history] == [h["acc"] for h in u.history]  # 0 steps: the global model
+    assert [h["acc_personal"] for h in t.history] != [h["acc"] for h in t.history]
+    meta = by_round(recs, 0, "up")[0]["meta"]
+    assert (meta["lr"], meta["inner_lr"], meta["variant"]) == (0.01, t.cfg.lr, "fo")
+
+
+# ------------------------------------------------------------------------------------------ pFedLA
+def test_layer_weights_normalise_and_fall_back_to_own():
+    scores = torch.tensor([[1.0, 3.0, 0.0], [0.0, 0.0, 0.0], [2.0, 2.0, 4.0]])
+    w = layer_weights(scores, own=1)
+    assert torch.allclose(w.sum(1), torch.ones(3))
+    assert torch.allclose(w[0], torch.tensor([0.25, 0.75, 0.0])) and torch.equal(w[1], torch.tensor([0.0, 1.0, 0.0]))
+    w = layer_weights(scores, own=2, retain=1)  # HeurpFedLA: the row of largest own score (row 2) is its own
+    assert torch.equal(w[2], torch.tensor([0.0, 0.0, 1.0])) and torch.allclose(w[0], torch.tensor([0.25, 0.75, 0.0]))
+
+
+@needs_fmnist
+def test_pfedla_weights_sum_to_one_per_layer_differ_per_client_and_learn_only_from_uploads(tmp_path):
+    t = trainer(tmp_path, "pfedla", rounds=3, join_ratio=0.67, options={"hn_lr": 0.5})
+    m = t.method
+    assert list(m.layers) == ["features.0", "features.3", "features.7", "head"]
+    before = [m.weights(i).detach().clone() for i in range(3)]
+    t.run()
+    after = [m.weights(i).detach() for i in range(3)]
+    for w in after:
+        assert w.shape == (4, 3) and torch.allclose(w.sum(1), torch.ones(4, dtype=w.dtype)) and bool((w >= 0).all())
+    assert not torch.allclose(after[0], after[1]) and not torch.allclose(after[1], after[2])
+    # round 0 starts from one model everywhere: no gradient; after it, a hypernetwork moves only when its client uploads
+    chosen = [set(h["selected"]) for h in t.history]
+    assert all(len(s) == 2 for s in chosen)
+    trained = set().union(*chosen[1:])
+    for i in range(3):
+        moved = not torch.equal(before[i], after[i])
+        assert moved == (i in trained), (i, chosen)
+    recs = t.capture.records()
+    downs = [t.capture.load(r) for r in by_round(recs, 2, "down")]
+    assert not torch.equal(downs[0]["head.weight"], downs[1]["head.weight"])  # one personalised model per client
+
+
+@needs_fmnist
+def test_pfedla_frozen_uniform_weights_download_the_plain_average_of_uploads(tmp_path):
+    t = trainer(tmp_path, "pfedla", options={"hn_lr": 0.0})
+    for hypernet in t.method.hypernets:
+        for head in hypernet.heads:
+            nn.init.zeros_(head.weight)
+            nn.init.ones_(head.bias)
+    t.run()
+    recs = t.capture.records()
+    for rnd in (0, 1):
+        ups = [t.capture.load(r) for r in by_round(recs, rnd, "up")]
+        downs = [t.capture.load(r) for r in by_round(recs, rnd, "down")]
+        assert len(ups) == len(downs) == 3
+        for k in ups[0]:
+            mean = torch.stack([u[k].double() for u in ups]).mean(0)
+            for d in downs:
+                assert torch.allclose(d[k].double(), mean, atol=1e-6), (rnd, k)
+
+
+@needs_fmnist
+def test_pfedla_hypernet_step_is_the_chain_rule_and_descends(tmp_path):
+    """The step on HN_i equals autograd's gradient of 1/2 ||theta_bar_i(psi) - upload||^2 through the whole
+    aggregation; it brings theta_bar_i closer to the upload, and hn_sign=fl-bench moves it away."""
+    t = trainer(tmp_path, "pfedla", options={"hn_lr": 0.05})
+    t.method.setup()
+    t.method.run_round(0, t.clients)  # the stored models now differ
+    m = t.method
+    client = t.clients[2]
+    m.fit(1, client)
+    upload = module_tensors(client.model)
+
+    def distance() -> float:
+        with torch.no_grad():
+            sent = m.aggregate(2, m.weights(2))
+        return sum(float((sent[k].double() - upload[k].double()).pow(2).sum()) for k in m.layer_of)
+
+    hypernet = m.hypernets[2]
+    start = copy.deepcopy(hypernet.state_dict())
+    aggregate = m.aggregate(2, m.weights(2))
+    loss = 0.5 * sum((aggregate[k] - upload[k]).pow(2).sum() for k in m.layer_of)
+    expected = torch.autograd.grad(loss, list(hypernet.parameters()))
+    got = m.hypernet_grads(2, upload)
+    for (name, _), g, e in zip(hypernet.named_parameters(), got, expected):
+        assert g is not None and e.abs().max() > 0 and torch.allclose(g, e, rtol=1e-4, atol=1e-9), name
+    d0 = distance()
+    m.update_hypernet(2, upload)
+    d1 = distance()
+    assert d1 < d0
+    hypernet.load_state_dict(start)
+    m.opts.hn_sign = "fl-bench"
+    m.update_hypernet(2, upload)
+    assert distance() > d0
+
+
+@needs_fmnist
+def test_heurpfedla_keeps_the_clients_own_layers(tmp_path):
+    t = trainer(tmp_path, "pfedla", rounds=1, options={"k": 2})
+    t.run()
+    m = t.method
+    downs = {r["receiver"]: t.capture.load(r) for r in by_round(t.capture.records(), 0, "down")}
+    for i in range(3):
+        w = m.weights(i).detach()
+        own = [layer for layer in range(4) if torch.equal(w[layer], F.one_hot(torch.tensor(i), 3).to(w))]
+        assert len(own) == 2
+        for layer in own:
+            for name in list(m.layers.values())[layer]:
+                assert torch.equal(downs[f"client{i}"][name], m.stacked[name][i])  # its own last upload
+
+
+# ------------------------------------------------------------------------------------------ resume
+class Interrupt(Exception):
+    pass
+
+
+class StopAfter(TrainCallback):
+    """Abort the run (an exception, in process) right after message ``count`` of round ``rnd``."""
+
+    def __init__(self, rnd: int, count: int):
+        self.rnd, self.count, self.seen = rnd, count, 0
+
+    def on_message(self, message, record) -> None:
+        if message.round == self.rnd:
+            self.seen += 1
+            if self.seen == self.count:
+                raise Interrupt
+
+
+@needs_fmnist
+def test_pfedla_interrupted_run_resumes_exactly(tmp_path):
+    """Stopped inside round 1 and resumed from the round-0 checkpoint, a run sends and scores exactly what
+    an uninterrupted one does: hypernetworks and stored models are in the checkpoint. (Per-FedAvg keeps
+    only the global model and the personal parts, which the engine checkpoints for every method; its
+    determinism is checked above, two runs capturing the same tensors.)"""
+    method, options = "pfedla", {"hn_lr": 0.5}
+    from privfl.engine import resume
+    from privfl.engine import train as train_cfg
+
+    values = {
+        "method": method,
+        "subsample": 300,
+        "num_clients": 3,
+        "partition": "dir",
+        "alpha": 0.5,
+        "min_samples": 10,
+        "rounds": 2,
+        "batch_size": 16,
+        "model_group": "homo-cnn4",
+        "progress": False,
+        "device": "cpu",
+        "out_dir": str(tmp_path),
+        "options": options,
+    }
+    opts = METHODS.get(method).Options
+    full = train_cfg(build_config({**values, "run_name": "full"}, opts)).path
+    cfg = build_config({**values, "run_name": "stopped"}, opts)
+    with pytest.raises(Interrupt):
+        train_cfg(cfg, callbacks=[StopAfter(1, 2)])
+    stopped = tmp_path / "stopped"
+    assert len(metrics(stopped)) == 1
+    resume(stopped, cfg)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(metrics(full)) == strip(metrics(stopped))
+    a, b = Run.open(full).capture.records(), Run.open(stopped).capture.records()
+    assert [r["sha256"] for r in a] == [r["sha256"] for r in b] and len(a) == 3 + 2 * (3 + 3)
+    assert metrics(full)[-1]["acc_personal"] != metrics(full)[-1]["acc"]
