@@ -440,7 +440,14 @@ for _kind in (
         soft_label="label",
     ),
     ArtifactKind("head", Family.PARAMETERS, "classifier head parameters", _STATE, (_samples(), _lr()), closed=False),
-    ArtifactKind("model", Family.PARAMETERS, "full model parameters", _STATE, (_samples(), _lr()), closed=False),
+    ArtifactKind(
+        "model",
+        Family.PARAMETERS,
+        "model parameters (a state dict, full or partial: FedBN leaves its BatchNorm layers out, FedRep sends its body)",
+        _STATE,
+        (_samples(), _lr()),
+        closed=False,
+    ),
     ArtifactKind(
         "update",
         Family.GRADIENT,
