@@ -213,3 +213,216 @@ def test_run_parity_refuses_bad_input_before_writing(tmp_path: Path, capsys):
         assert parity.run_cli("run_parity.py", lambda argv=argv: parity.main(argv)) == 2, argv
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
         assert not out.exists(), argv
+
+
+# ---- PFLlib as the reference (--reference pfllib): the map, the flags, the launcher, the table
+
+#: PFLlib main.py's -algo values the map uses (system/main.py's if-chain)
+PFLLIB_ALGOS = {"Local", "FedAvg", "FedProx", "PerAvg", "FedRep", "FedBN", "FedALA", "FedDBE"}
+SETTING = {"model_group": "homo-cnn4", "rounds": 20, "lr": 0.01, "batch_size": 10, "local_epochs": 1, "num_clients": 10, "rep_dim": 512}
+
+
+def _resolved(parity_mod, method: str) -> tuple[dict, dict]:
+    """(options, config) privfl would resolve for ``method`` under the harness: the Options defaults with
+    the map's privfl options, and the table's setting with the map's setting changes."""
+    import dataclasses
+
+    from privfl.methods import METHODS
+
+    spec = parity_mod.PFLLIB[method]
+    cls = METHODS.get(method).Options
+    opts = {**(dataclasses.asdict(cls()) if dataclasses.is_dataclass(cls) else {}), **spec.privfl(SETTING)}
+    return opts, {**SETTING, **spec.setting(SETTING)}
+
+
+def test_pfllib_map_names_pfllib_algorithms_and_options_privfl_has():
+    from privfl.methods import METHODS
+
+    parity = _load("run_parity")
+    issue15 = {"fedavg", "fedprox", "perfedavg", "fedrep", "fedbn", "fedala", "fedavgdbe"}
+    assert issue15 <= set(parity.PFLLIB)
+    for name, spec in parity.PFLLIB.items():
+        assert spec.algo in PFLLIB_ALGOS and spec.protocol in ("global", "personal"), name
+        if name not in METHODS:  # a method another change has not registered yet is only mapped
+            continue
+        fields = set(getattr(METHODS.get(name).Options, "__dataclass_fields__", {}))
+        assert set(spec.privfl(SETTING)) <= fields, name
+        opts, cfg = _resolved(parity, name)
+        # privfl's defaults, with what the harness sets, are comparable (reads only option names privfl has)
+        assert spec.mismatch(opts, cfg) == [], name
+        flags = spec.flags(opts, cfg)
+        assert len(flags) % 2 == 0 and all(f.startswith("-") for f in flags[::2]), name
+    # the HtFLlib map and its behaviour are unchanged: HtFLlib is still the default reference
+    assert parity.REFERENCES["htfllib"].methods is parity.PARITY and parity.PARITY["fedavg"].algo is None
+    assert parity.PFLLIB["perfedavg"].protocol == "personal" and parity.PFLLIB["fedrep"].protocol == "global"
+
+
+def test_pfllib_flags_follow_privfl_options_and_replace_shared_ones():
+    parity = _load("run_parity")
+    ref = parity.REFERENCES["pfllib"]
+
+    def flags(method: str, opts: dict, cfg: dict | None = None) -> dict[str, str]:
+        cfg = {**SETTING, **(cfg or {})}
+        launcher, argv = ref.commands(
+            parity.PFLLIB[method],
+            opts,
+            cfg,
+            root=Path("/p"),
+            python="py",
+            data="FashionMNIST_privfl_s0",
+            num_classes=10,
+            channels=1,
+            image_size=28,
+            result=Path("/w/r.json"),
+        )
+        assert launcher[:4] == ["py", str(PARITY / "pfllib_launch.py"), "--system", "/p/system"] and "--model" not in launcher
+        keys = argv[::2]
+        assert len(keys) == len(set(keys)), argv  # a method flag replaces the shared one, never repeats it
+        return dict(zip(keys, argv[1::2]))
+
+    base = flags("fedavg", {})
+    assert base["-algo"] == "FedAvg" and base["-m"] == "CNN" and base["-data"] == "FashionMNIST_privfl_s0"
+    assert (base["-gr"], base["-lr"], base["-lbs"], base["-ls"], base["-jr"], base["-nc"], base["-ncl"]) == ("20", "0.01", "10", "1", "1", "10", "10")
+    assert "-fd" not in base and base["-dev"] == "cpu" and base["-t"] == "1" and base["-eg"] == "1"
+    assert flags("fedprox", {"mu": 0.1, "stragglers": 0.0})["-mu"] == "0.1"
+    # Per-FedAvg: PFLlib runs train() twice per round, so privfl ran 2 epochs and PFLlib gets -ls 1
+    assert parity.PFLLIB["perfedavg"].setting(SETTING) == {"local_epochs": 2}
+    per = flags("perfedavg", {"beta": 0.01}, {"local_epochs": 2})
+    assert (per["-algo"], per["-ls"], per["-bt"]) == ("PerAvg", "1", "0.01")
+    # FedRep: -pls = head epochs, -ls = body epochs (default: --local-epochs)
+    assert (flags("fedrep", {"head_epochs": 2, "body_epochs": 3})["-pls"], flags("fedrep", {"head_epochs": 2, "body_epochs": 3})["-ls"]) == ("2", "3")
+    assert flags("fedrep", {"head_epochs": 1, "body_epochs": None}, {"local_epochs": 4})["-ls"] == "4"
+    ala = flags("fedala", {"eta": 0.5, "rand_percent": 40, "layer_idx": 4})
+    assert (ala["-et"], ala["-s"], ala["-p"]) == ("0.5", "40", "4")
+    dbe = flags("fedavgdbe", {"mean_momentum": 0.1, "kappa": 50.0})
+    assert (dbe["-algo"], dbe["-mo"], dbe["-klw"]) == ("FedDBE", "0.1", "50.0")
+    # PFLlib picks -m CNN's input shape from the dataset name: MNIST -> FedAvgCNN(1, dim=1024)
+    assert "MNIST" in ref.dataset_name("fashionmnist", 0) and "Cifar10" in ref.dataset_name("cifar100", 1)
+    assert ref.model_problem("homo-cnn4", "fashionmnist") is None and "no PFLlib counterpart" in ref.model_problem("htfe8", "fashionmnist")
+    # PFLlib's loaders shuffle; HtFLlib's do not
+    assert "--shuffle" in ref.fixed_privfl and "--no-shuffle" not in ref.fixed_privfl and "--drop-last" in ref.fixed_privfl
+    assert "--no-shuffle" in parity.REFERENCES["htfllib"].fixed_privfl
+    # what PFLlib cannot express is refused, with the option to set
+    refused = {
+        "fedrep": {"head_epochs": 1, "body_epochs": None, "weighting": "uniform"},
+        "fedprox": {"mu": 0.01, "stragglers": 0.5},
+        "perfedavg": {"beta": 0.001, "inner_lr": None, "variant": "fo", "adapt_steps": 1, "weighting": "samples"},
+        "fedala": {"eta": 1.0, "rand_percent": 80, "layer_idx": 2, "threshold": 0.01, "num_pre_loss": 10},
+        "fedbn": {"weighting": "uniform"},
+        "fedavgdbe": {"kappa": 50.0, "mean_momentum": 1.0, "train_prbm": False},
+    }
+    for method, opts in refused.items():
+        cfg = {**SETTING, **parity.PFLLIB[method].setting(SETTING)}
+        assert len(parity.PFLLIB[method].mismatch(opts, cfg)) == 1, method
+
+
+def test_pfllib_launcher_runs_main_py_reports_client_0s_model_and_the_results(tmp_path: Path):
+    """pfllib_launch.py on a stand-in for PFLlib's system/ (same file names, the calls the launcher relies
+    on) and a stand-in h5py: one thread, FedPAC's server stubbed when cvxpy is missing, PARITY-MODEL from
+    the first client built, PARITY-RESULT from ../results/<data>_<algo>_<goal>_0.h5."""
+    import importlib.util as iu
+    import subprocess
+
+    system = tmp_path / "pfllib" / "system"
+    (system / "flcore" / "servers").mkdir(parents=True)
+    (system / "flcore" / "clients").mkdir(parents=True)
+    (system / "flcore" / "servers" / "serverpac.py").write_text("import cvxpy\nclass FedPAC: pass\n")
+    (system / "flcore" / "clients" / "clientbase.py").write_text(
+        "import torch\n"
+        "class Client:\n"
+        "    def __init__(self, args, id, train_samples, test_samples, **kwargs):\n"
+        "        torch.manual_seed(0)\n"
+        "        self.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))\n"
+    )
+    (system / "main.py").write_text(
+        "import argparse, json, os, torch\n"
+        "from flcore.servers.serverpac import FedPAC\n"
+        "from flcore.clients.clientbase import Client\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('-data', '--dataset'); p.add_argument('-algo', '--algorithm'); p.add_argument('-go', '--goal')\n"
+        "p.add_argument('-t', '--times', type=int, default=1); p.add_argument('-pv', '--prev', type=int, default=0)\n"
+        "args = p.parse_args()\n"
+        "clients = [Client(args, id=i, train_samples=5, test_samples=2, train_slow=False, send_slow=False) for i in range(3)]\n"
+        "print('threads', torch.get_num_threads())\n"
+        "for t in (9.0, 2.0, 4.0):\n"
+        "    print('-' * 25, 'time cost', '-' * 25, t)\n"
+        "os.makedirs('../results', exist_ok=True)\n"
+        "json.dump({'rs_test_acc': [0.1, 0.5, 0.75]}, open(f'../results/{args.dataset}_{args.algorithm}_{args.goal}_0.h5', 'w'))\n"
+    )
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "h5py.py").write_text(
+        "import json\nimport numpy as np\n"
+        "class File:\n"
+        "    def __init__(self, path, mode):\n"
+        "        self.data = {k: np.asarray(v) for k, v in json.load(open(path)).items()}\n"
+        "    def __enter__(self):\n        return self.data\n"
+        "    def __exit__(self, *exc):\n        return False\n"
+    )
+    cwd = tmp_path / "work" / "cwd"
+    cwd.mkdir(parents=True)
+    log = tmp_path / "work" / "fedavg.log"
+    cmd = [sys.executable, str(PARITY / "pfllib_launch.py"), "--system", str(system), "--threads", "1", "--result", str(tmp_path / "r.json")]
+    cmd += ["--", "-data", "FashionMNIST_privfl_s0", "-algo", "FedAvg", "-go", "parity"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(fake), "OMP_NUM_THREADS": "4"}
+    with open(log, "w") as fh:
+        assert subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode == 0, log.read_text()
+    text = log.read_text()
+    assert "threads 1" in text
+    assert ("PARITY-STUBBED" in text) == (iu.find_spec("cvxpy") is None)
+    assert text.count("PARITY-MODEL ") == 1  # the first client only
+    parity = _load("run_parity")
+    side = parity.htfllib_side(log, rounds=2)
+    assert side["acc_untrained"] == 0.1 and side["acc"] == [0.5, 0.75] and side["s_per_round"] == 3.0 and side["threads"] == 1
+    assert side["model"]["params"] == [["0.weight", [3, 4]], ["0.bias", [3]], ["2.weight", [2, 3]], ["2.bias", [2]]]
+    assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["rs_test_acc"] == [0.1, 0.5, 0.75]
+    assert not any((system / "..").resolve().glob("results"))  # nothing written next to PFLlib's system/
+    # no "--": one line, exit 2
+    done = subprocess.run([sys.executable, str(PARITY / "pfllib_launch.py"), "--system", str(system)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_table_compares_the_protocol_the_map_names_and_names_the_reference(tmp_path: Path):
+    parity = _load("run_parity")
+    mine = {
+        "acc": [0.2, 0.3],
+        "final_acc": 0.3,
+        "best_acc": 0.3,
+        "acc_personal": [0.5, 0.7],
+        "final_acc_personal": 0.7,
+        "best_acc_personal": 0.7,
+        "s_per_round": 1.0,
+    }
+    ref = {"acc": [0.6, 0.65], "final_acc": 0.65, "best_acc": 0.65, "s_per_round": 2.0}
+    row = parity.flat_row({"method": "perfedavg", "seed": 0, "reference": "PFLlib", "protocol": "personal", "privfl": mine, "htfllib": ref})
+    assert row["privfl_final"] == 0.7 and row["privfl_last5"] == pytest.approx(0.6) and row["diff_final"] == pytest.approx(0.05)
+    glob_row = parity.flat_row({"method": "fedavg", "seed": 0, "reference": "PFLlib", "privfl": mine, "htfllib": ref})
+    assert glob_row["privfl_final"] == 0.3 and glob_row["protocol"] == "global"
+    text = parity.render([row, glob_row])
+    assert "PFLlib acc final" in text and "HtFLlib" not in text
+    # tables of two references do not merge
+    for name, key in (("a", "htfllib"), ("b", "pfllib")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "table.json").write_text(json.dumps({"protocol": {"setting": {"x": 1}, "reference": key}, "rows": []}))
+    with pytest.raises(parity.ConfigError, match="reference library differs"):
+        parity.rerender([tmp_path / "a" / "table.json", tmp_path / "b" / "table.json"], tmp_path / "merged")
+
+
+def test_run_parity_refuses_bad_pfllib_input_before_writing(tmp_path: Path, capsys):
+    parity = _load("run_parity")
+    out = tmp_path / "out"
+    cases = [
+        ["--reference", "pfllib", "--methods", "fedavg", "--out", str(out)],  # PFLlib's side needs --pfllib
+        ["--reference", "pfllib", "--methods", "fedavg", "--pfllib", str(tmp_path), "--out", str(out)],  # no system/main.py there
+        ["--reference", "pfllib", "--methods", "fedavg", "--sides", "privfl,htfllib", "--out", str(out)],  # the other reference's side
+        ["--reference", "pfllib", "--methods", "fedavg", "--pfllib", str(tmp_path), "--model-group", "htfe8", "--out", str(out)],
+        ["--reference", "pfllib", "--methods", "fedavg", "--pfllib", str(tmp_path), "--dataset", "svhn", "--out", str(out)],
+        ["--reference", "nosuchlib", "--methods", "fedavg", "--out", str(out)],
+        ["--reference", "pfllib", "--methods", "fedavg", "--sides", "privfl", "--privfl-arg=--no-shuffle", "--out", str(out)],
+        ["--reference", "pfllib", "--methods", "fedavg", "--sides", "privfl", "--privfl-arg=--local-epochs=2", "--out", str(out)],
+    ]
+    for argv in cases:
+        capsys.readouterr()
+        assert parity.run_cli("run_parity.py", lambda argv=argv: parity.main(argv)) == 2, argv
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
+        assert not out.exists(), argv

@@ -1,4 +1,9 @@
-"""Side-by-side parity table: privfl and HtFLlib trained on the same partition with the same settings.
+"""Side-by-side parity table: privfl and a reference library trained on the same partition with the same settings.
+
+The reference (``--reference``) is HtFLlib (default; the heterogeneous-model methods, map ``PARITY``) or
+PFLlib (FedAvg and the personalised baselines, map ``PFLLIB``: Local, FedAvg, FedProx, Per-FedAvg =
+``PerAvg``, FedRep, FedBN, FedALA, FedAvgDBE = ``FedDBE``). Both libraries share one code base, dataset
+layout, results file and round loop; the steps below say HtFLlib, and the differences for PFLlib follow.
 
 For every method of ``--methods`` and every seed of ``--seeds``, one after the other (never two at once),
 each with one torch thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``):
@@ -43,18 +48,42 @@ evaluation of ``--eval both``, checkpoint and capture writes). HtFLlib: the mean
 the start, local training, server, and its per-round torch.save/torch.load of every model in
 ``temp/``). Both in one process with one thread, on the same machine; other load on it shows in both.
 
-Methods HtFLlib does not have (``fedavg``, ``fedre``) are trained on privfl's side only. Outputs under
+**PFLlib** (``--reference pfllib --pfllib PATH``, ``pfllib_launch.py``): the same steps, with these
+differences. (a) PFLlib's train loader shuffles (torch's global RNG) and drops the last partial batch,
+so privfl runs ``--shuffle`` (its own seeded order) instead of ``--no-shuffle``: the same batches per
+epoch in another order. (b) PFLlib builds ``-m CNN`` from the dataset *name* (``MNIST`` in it:
+``FedAvgCNN(1, dim=1024)``; ``Cifar10``: ``FedAvgCNN(3, dim=1600)``), so the export is named
+``FashionMNIST_privfl_s<S>`` (``PFLLIB_DATASETS``) and nothing is pinned; the launcher prints the model
+PFLlib built and the table checks its shapes against privfl's (``model_check``), as for HtFLlib.
+(c) Per method (``PFLLIB``): FedProx ``-mu``; Per-FedAvg ``-bt`` (ignored by PFLlib, whose beta is
+``-lr``: privfl's ``beta`` is set to lr), and PFLlib's server calls ``train()`` twice per round, so privfl
+runs twice ``--local-epochs`` while PFLlib keeps ``-ls``; Per-FedAvg is compared under privfl's
+*personal* protocol (PFLlib's ``evaluate_one_step`` scores the global model after one alpha-step on a
+train batch), every other method under the global one (PFLlib evaluates right after its broadcast:
+FedRep's global body + own head, FedALA's merged model, DBE's model + own PRBM); FedRep ``-pls`` = head
+epochs, ``-ls`` = body epochs; FedALA ``-et -s -p`` (its threshold 0.1 and 10 losses are fixed in PFLlib);
+FedAvgDBE ``-mo`` = ``mean_momentum``, ``-klw`` = ``kappa``; FedBN has no flag (``-m CNN`` has no
+BatchNorm, so it is FedAvg on both sides). A privfl option PFLlib cannot express refuses the row. The
+PFLlib side runs in ``--out``/``pfllib/seed<S>/``; it needs ``h5py`` and ``calmsize``
+(``--pfllib-pythonpath``); FedPAC's server (``cvxpy``) is stubbed by the launcher.
+
+Methods the reference does not have (HtFLlib: ``fedavg``, ``fedre``) are trained on privfl's side only. Outputs under
 ``--out`` (a new or empty folder): ``table.json``, ``table.csv``, ``table.txt``, ``privfl/`` (the runs),
-``htfllib/seed<S>/`` (``dataset/``, ``results/``, one log and result JSON per method)::
+``htfllib/seed<S>/`` or ``pfllib/seed<S>/`` (``dataset/``, ``results/``, one log and result JSON per
+method). The reference side's columns and JSON keys are ``htfllib_*`` for either library (``reference``
+names it), so older tables still render; ``--render`` merges tables of one setting and one reference::
 
     python experiments/parity/run_parity.py --htfllib PATH/TO/HtFLlib --methods local,fedavg,fedproto,fedgh,fedre
     python experiments/parity/run_parity.py --htfllib PATH --methods fedproto --set fedproto.lamda=10 --rounds 5
     python experiments/parity/run_parity.py --render runs/parity/table.json,runs/parity-s12/table.json --out runs/parity-all
+    python experiments/parity/run_parity.py --reference pfllib --pfllib PATH/TO/PFLlib --pfllib-pythonpath DEPS \
+        --methods fedavg,fedprox,perfedavg,fedrep,fedbn,fedala,fedavgdbe --out runs/parity-pfllib
 
-``PATH/TO/HtFLlib`` is a clone (the folder holding ``system/``). HtFLlib needs torch, torchvision, numpy,
-scikit-learn, h5py and calmsize; ``--htfllib-python`` (default: this interpreter) and
-``--htfllib-pythonpath DIR`` (prepended to its ``PYTHONPATH``, e.g. a ``pip install --target DIR h5py
-calmsize``) choose where they come from; a missing one is a one-line error before anything runs.
+``PATH/TO/HtFLlib`` (``PATH/TO/PFLlib``) is a clone (the folder holding ``system/``). Either needs torch,
+torchvision, numpy, scikit-learn, h5py and calmsize; ``--htfllib-python`` / ``--pfllib-python`` (default:
+this interpreter) and ``--htfllib-pythonpath DIR`` / ``--pfllib-pythonpath DIR`` (prepended to its
+``PYTHONPATH``, e.g. a ``pip install --target DIR --no-deps h5py calmsize``) choose where they come from;
+a missing one is a one-line error before anything runs.
 """
 
 from __future__ import annotations
@@ -89,19 +118,26 @@ Options = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class Parity:
-    """How one privfl method is run on HtFLlib's side.
+    """How one privfl method is run on the reference library's side (HtFLlib or PFLlib).
 
-    ``algo``: HtFLlib's ``-algo`` (None: HtFLlib has no such method). ``privfl``: method options that make
-    privfl do what HtFLlib does where privfl offers a choice (a function of the run's settings; an option
-    the method does not have is skipped and reported). ``flags``: HtFLlib's flags from the privfl run's
-    resolved options and config. ``mismatch``: what HtFLlib cannot express for those options (the row
-    is then refused)."""
+    ``algo``: the reference's ``-algo`` (None: it has no such method). ``privfl``: method options that make
+    privfl do what the reference does where privfl offers a choice (a function of the run's settings; an
+    option the method does not have is skipped and reported). ``flags``: the reference's flags from the
+    privfl run's resolved options and config (a flag the shared ones also set, such as ``-ls``, replaces
+    the shared value). ``mismatch``: what the reference cannot express for those options (the row is then
+    refused). ``setting``: shared settings privfl runs with instead of the table's (a function of the
+    table's setting, e.g. PFLlib's Per-FedAvg trains two epochs per ``-ls``). ``protocol``: which privfl
+    evaluation the reference's accuracy is compared with: ``global`` (the latest global part received,
+    what both libraries score right after their broadcast) or ``personal`` (privfl's personalised
+    model, e.g. Per-FedAvg's one adaptation step, which PFLlib's ``evaluate_one_step`` takes)."""
 
     algo: str | None
     privfl: Callable[[Options], dict[str, Any]] = lambda cfg: {}
     flags: Callable[[Options, Options], list[str]] = lambda opts, cfg: []
     mismatch: Callable[[Options, Options], list[str]] = lambda opts, cfg: []
     note: str = ""
+    setting: Callable[[Options], dict[str, Any]] = lambda setting: {}
+    protocol: str = "global"
 
 
 def _f(x: Any) -> str:
@@ -173,6 +209,169 @@ MODEL_GROUPS: dict[str, tuple[str, str | None]] = {
 FIXED_PRIVFL = ["--same-init", "--no-shuffle", "--drop-last", "--eval", "both", "--no-progress", "--device", "cpu", "--optimizer", "sgd"]
 TIME_LINE = re.compile(r"^-{20,}(?: time cost -{20,})? ([0-9.eE+-]+)\s*$")
 
+#: PFLlib's counterparts of privfl's FedAvg and the personalised baselines (issue 15), with Local as a
+#: check of the plumbing. PFLlib evaluates every client right after its broadcast, as HtFLlib does.
+PFLLIB: dict[str, Parity] = {
+    "local": Parity("Local"),
+    "fedavg": Parity("FedAvg"),
+    "fedprox": Parity(
+        "FedProx",
+        flags=lambda o, cfg: ["-mu", _f(o["mu"])],
+        mismatch=lambda o, cfg: _need(
+            o.get("stragglers", 0) == 0,
+            "PFLlib's FedProx has no stragglers (-tsr slows clients, it does not cut their epochs): set fedprox.stragglers=0",
+        ),
+        note="PFLlib's FedProx model is the unsplit FedAvgCNN (same tensors)",
+    ),
+    "perfedavg": Parity(
+        "PerAvg",
+        privfl=lambda cfg: {"beta": cfg["lr"], "variant": "fo", "weighting": "samples"},  # PFLlib: beta = -lr, first order
+        # PFLlib's server calls client.train() twice per round: privfl runs twice the epochs, PFLlib's -ls stays
+        setting=lambda st: {"local_epochs": 2 * st["local_epochs"]},
+        flags=lambda o, cfg: ["-bt", _f(o["beta"]), "-ls", str(cfg["local_epochs"] // 2)],
+        mismatch=lambda o, cfg: (
+            _need(o["beta"] == cfg["lr"], "PFLlib's Per-FedAvg ignores -bt and takes beta = -lr: set perfedavg.beta = lr")
+            + _need(o.get("inner_lr") in (None, cfg["lr"]), "PFLlib's Per-FedAvg alpha is -lr: leave perfedavg.inner_lr unset")
+            + _need(o["variant"] == "fo", "PFLlib's Per-FedAvg is first order: perfedavg.variant=fo")
+            + _need(o["adapt_steps"] == 1, "PFLlib evaluates after one adaptation step: perfedavg.adapt_steps=1")
+            + _need(o["weighting"] == "samples", "PFLlib averages weighted by train-set size: perfedavg.weighting=samples")
+            + _need(cfg["local_epochs"] % 2 == 0, "PFLlib trains two epochs per -ls: privfl's local epochs must be even")
+        ),
+        protocol="personal",
+        note=(
+            "PFLlib trains 2 x -ls epochs per round (privfl runs 2 x --local-epochs); compared: privfl's personal protocol "
+            "(one alpha-step on own train data), as PFLlib's evaluate_one_step"
+        ),
+    ),
+    "fedrep": Parity(
+        "FedRep",
+        # -pls: the head epochs (first, body frozen); -ls: the body epochs (second, head frozen)
+        flags=lambda o, cfg: [
+            "-pls",
+            str(o["head_epochs"]),
+            "-ls",
+            str(o["body_epochs"] if o.get("body_epochs") is not None else cfg["local_epochs"]),
+        ],
+        mismatch=lambda o, cfg: _need(o["weighting"] == "samples", "PFLlib averages the bodies weighted by train-set size: fedrep.weighting=samples"),
+    ),
+    "fedbn": Parity(
+        "FedBN",
+        mismatch=lambda o, cfg: _need(o["weighting"] == "samples", "PFLlib averages weighted by train-set size: fedbn.weighting=samples"),
+        note="PFLlib keeps tensors whose name holds 'bn' local, privfl BatchNorm modules; -m CNN has none, so both are FedAvg here",
+    ),
+    "fedala": Parity(
+        "FedALA",
+        flags=lambda o, cfg: ["-et", _f(o["eta"]), "-s", str(o["rand_percent"]), "-p", str(o["layer_idx"])],
+        mismatch=lambda o, cfg: (
+            _need(o["threshold"] == 0.1, "PFLlib's ALA threshold is fixed at 0.1: fedala.threshold=0.1")
+            + _need(o["num_pre_loss"] == 10, "PFLlib's ALA num_pre_loss is fixed at 10: fedala.num_pre_loss=10")
+        ),
+        note="PFLlib's first ALA has no epoch cap (privfl max_ala_epochs); its s% sample is a contiguous window",
+    ),
+    "fedavgdbe": Parity(
+        "FedDBE",
+        flags=lambda o, cfg: ["-mo", _f(o["mean_momentum"]), "-klw", _f(o["kappa"])],
+        mismatch=lambda o, cfg: _need(o.get("train_prbm", True), "PFLlib always trains the PRBM: fedavgdbe.train_prbm=true"),
+    ),
+}
+
+#: privfl model group -> PFLlib's -m (the constructor follows from -m and the dataset name, below)
+PFLLIB_MODELS: dict[str, str] = {"homo-cnn4": "CNN"}
+#: privfl dataset -> the token PFLlib's main.py looks for in -data to build -m CNN for that input
+#: ("MNIST": FedAvgCNN(1, dim=1024); "Cifar10" (also in "Cifar100"): FedAvgCNN(3, dim=1600); any other
+#: name: FedAvgCNN(3, dim=10816), 64x64 inputs)
+PFLLIB_DATASETS: dict[str, str] = {
+    "fashionmnist": "FashionMNIST",
+    "mnist": "MNIST",
+    "cifar10": "Cifar10",
+    "cifar100": "Cifar100",
+    "tinyimagenet": "TinyImagenet",
+}
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A library the harness runs privfl against: its method map, launcher, what its Python needs and
+    which privfl flags reproduce its data loaders (``fixed_privfl``)."""
+
+    key: str  # the --reference value, and the prefix of its --KEY, --KEY-python, --KEY-pythonpath options
+    name: str
+    methods: dict[str, Parity]
+    launcher: Path
+    fixed_privfl: list[str]
+    packages: tuple[str, ...]
+
+    def dataset_name(self, dataset: str, seed: int) -> str:
+        """The exported dataset's folder name (PFLlib picks its CNN's input shape from it)."""
+        if self.key == "pfllib":
+            return f"{PFLLIB_DATASETS[dataset]}_privfl_s{seed}"
+        return f"{dataset}_privfl_s{seed}"
+
+    def model_problem(self, model_group: str, dataset: str) -> str | None:
+        """Why this reference has no counterpart of privfl's model group on this dataset (None: it has)."""
+        if self.key == "pfllib":
+            if model_group not in PFLLIB_MODELS:
+                return f"model group {model_group} has no PFLlib counterpart here; mapped: {', '.join(PFLLIB_MODELS)}"
+            if dataset not in PFLLIB_DATASETS:
+                return f"dataset {dataset} has no PFLlib name here (PFLlib builds its CNN from the name); mapped: {', '.join(PFLLIB_DATASETS)}"
+            return None
+        if model_group not in MODEL_GROUPS:
+            return f"model group {model_group} has no HtFLlib counterpart here; mapped: {', '.join(MODEL_GROUPS)}"
+        return None
+
+    def commands(
+        self,
+        parity: Parity,
+        opts: Options,
+        cfg: Options,
+        *,
+        root: Path,
+        python: str,
+        data: str,
+        num_classes: int,
+        channels: int,
+        image_size: int,
+        result: Path,
+    ) -> tuple[list[str], list[str]]:
+        """(launcher command, main.py flags) for one method on this reference. The method's own flags come
+        last and replace a shared flag they repeat (PFLlib's ``-ls`` for Per-FedAvg and FedRep)."""
+        assert parity.algo is not None
+        shared: dict[str, str] = {"-data": data}
+        if self.key == "pfllib":
+            shared["-m"] = PFLLIB_MODELS[cfg["model_group"]]
+        else:
+            shared["-m"] = MODEL_GROUPS[cfg["model_group"]][0]
+        shared |= {"-algo": parity.algo, "-gr": str(cfg["rounds"]), "-lr": _f(cfg["lr"]), "-lbs": str(cfg["batch_size"])}
+        shared |= {"-ls": str(cfg["local_epochs"]), "-jr": "1", "-nc": str(cfg["num_clients"]), "-ncl": str(num_classes)}
+        if self.key == "htfllib":
+            shared["-fd"] = str(cfg["rep_dim"])
+        shared |= {"-dev": "cpu", "-go": "parity", "-t": "1", "-eg": "1"}
+        own = parity.flags(opts, cfg)
+        if len(own) % 2:
+            raise ValueError(f"{parity.algo}: method flags must come in flag/value pairs, got {own}")
+        shared |= dict(zip(own[::2], own[1::2]))
+        launcher = [python, str(self.launcher), "--system", str(root / "system"), "--threads", "1", "--result", str(result)]
+        if self.key == "htfllib":
+            pinned = MODEL_GROUPS[cfg["model_group"]][1]
+            if pinned:
+                launcher += ["--model", pinned.format(channels=channels, flat=cnn_flat_dim(image_size))]
+        return launcher, [x for pair in shared.items() for x in pair]
+
+
+REFERENCES: dict[str, Reference] = {
+    "htfllib": Reference("htfllib", "HtFLlib", PARITY, LAUNCHER, FIXED_PRIVFL, ("torch", "torchvision", "numpy", "sklearn", "h5py", "calmsize")),
+    # PFLlib's train loader shuffles (torch's global RNG) and drops the last partial batch: privfl shuffles
+    # with its own seeded order, same batches per epoch, other order
+    "pfllib": Reference(
+        "pfllib",
+        "PFLlib",
+        PFLLIB,
+        HERE / "pfllib_launch.py",
+        [f for f in FIXED_PRIVFL if f != "--no-shuffle"] + ["--shuffle"],
+        ("torch", "torchvision", "numpy", "sklearn", "h5py", "calmsize"),
+    ),
+}
+
 
 def _load_exporter() -> Any:
     """``export_htfllib.py`` beside this script (also when this script is itself loaded by path)."""
@@ -242,10 +441,11 @@ class Setting:
     data_root: str | None
     extra: list[str] = field(default_factory=list)
 
-    def privfl_flags(self, seed: int) -> list[str]:
+    def privfl_flags(self, seed: int, fixed: Sequence[str] = FIXED_PRIVFL) -> list[str]:
+        """privfl.train's flags for this setting, with ``fixed`` (the reference library's loaders and init)."""
         flags = ["--dataset", self.dataset, "--num-clients", str(self.num_clients), "--partition", self.partition, "--alpha", _f(self.alpha)]
         flags += ["--model-group", self.model_group, "--lr", _f(self.lr), "--batch-size", str(self.batch_size), "--rounds", str(self.rounds)]
-        flags += ["--local-epochs", str(self.local_epochs), "--join-ratio", "1", "--seed", str(seed), *FIXED_PRIVFL]
+        flags += ["--local-epochs", str(self.local_epochs), "--join-ratio", "1", "--seed", str(seed), *fixed]
         if self.subsample is not None:
             flags += ["--subsample", str(self.subsample)]
         if self.data_root is not None:
@@ -336,14 +536,15 @@ def printed_accuracies(log: Path) -> list[float]:
 
 
 def outcome_note(row: Mapping[str, Any]) -> str:
-    """The row's note plus why a side has no numbers (a failure, or settings HtFLlib cannot express)."""
+    """The row's note plus why a side has no numbers (a failure, or settings the reference cannot express)."""
     parts = [row.get("note", "")]
+    ref = row.get("reference", "HtFLlib")
     if row.get("privfl_error"):
         parts.append(f"privfl failed: {row['privfl_error'][-160:]}")
     if row.get("htfllib_error"):
         partial = row.get("htfllib_partial_acc")
         done = f" after {len(partial)} evaluations ({', '.join(f'{100 * a:.2f}' for a in partial)})" if partial else ""
-        parts.append(f"HtFLlib failed{done}: {row['htfllib_error'].split(' | ')[-1][-160:]}")
+        parts.append(f"{ref} failed{done}: {row['htfllib_error'].split(' | ')[-1][-160:]}")
     return "; ".join(p for p in parts if p)
 
 
@@ -411,24 +612,32 @@ def _last(acc: Sequence[float] | None) -> float | None:
 
 def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """One table line: final, best and mean-of-the-last-5 aligned accuracies of both sides, their
-    differences (privfl - HtFLlib) and seconds per round."""
+    differences (privfl - reference) and seconds per round.
+
+    The reference side keeps the ``htfllib*`` keys whichever library it is (``reference`` names it), so
+    that tables written before PFLlib was added still render and merge. privfl's accuracy is the one of
+    the row's ``protocol`` (``global`` unless the method map says ``personal``)."""
     p, h = row.get("privfl") or {}, row.get("htfllib") or {}
+    personal = row.get("protocol", "global") == "personal"
+    acc = p.get("acc_personal") if personal else p.get("acc")
     out = {
         "method": row["method"],
         "seed": row["seed"],
-        "privfl_final": p.get("final_acc"),
-        "privfl_best": p.get("best_acc"),
+        "privfl_final": p.get("final_acc_personal") if personal else p.get("final_acc"),
+        "privfl_best": p.get("best_acc_personal") if personal else p.get("best_acc"),
         "privfl_personal_final": p.get("final_acc_personal"),
         "htfllib_final": h.get("final_acc"),
         "htfllib_best": h.get("best_acc"),
         "diff_final": None,
         "diff_best": None,
-        "privfl_last5": _last(p.get("acc")),
+        "privfl_last5": _last(acc),
         "htfllib_last5": _last(h.get("acc")),
         "diff_last5": None,
         "privfl_s_round": p.get("s_per_round"),
         "htfllib_s_round": h.get("s_per_round"),
         "htfllib_algo": row.get("htfllib_algo"),
+        "reference": row.get("reference", "HtFLlib"),
+        "protocol": row.get("protocol", "global"),
         "note": outcome_note(row),
     }
     if out["privfl_final"] is not None and out["htfllib_final"] is not None:
@@ -447,6 +656,7 @@ def aggregate(flat: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(rows) < 2:
             continue
         agg: dict[str, Any] = {"method": method, "seed": "mean", "htfllib_algo": rows[0]["htfllib_algo"], "note": f"mean of {len(rows)} seeds"}
+        agg |= {k: rows[0].get(k) for k in ("reference", "protocol")}
         for key, _ in COLUMNS[2:]:
             values = [r[key] for r in rows if r[key] is not None]
             agg[key] = statistics.fmean(values) if values else None
@@ -457,7 +667,9 @@ def aggregate(flat: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render(flat: list[dict[str, Any]]) -> str:
-    cells = [[label for _, label in COLUMNS]]
+    names = {r.get("reference", "HtFLlib") for r in flat}
+    ref = names.pop() if len(names) == 1 else "reference"
+    cells = [[label.replace("HtFLlib", ref) for _, label in COLUMNS]]
     for r in flat:
         line = []
         for key, _ in COLUMNS:
@@ -505,6 +717,8 @@ def rerender(sources: Sequence[Path], out: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"--render {source}: not a table.json written by run_parity.py ({exc})") from None
         if protocol and setting != protocol["setting"]:
             raise ConfigError(f"--render {source}: its setting differs from {sources[0]}'s; merge only runs of one setting")
+        if protocol and saved["protocol"].get("reference", "htfllib") != protocol.get("reference", "htfllib"):
+            raise ConfigError(f"--render {source}: its reference library differs from {sources[0]}'s; merge only runs against one")
         protocol = protocol or dict(saved["protocol"])
     protocol["merged_from"] = [str(s) for s in sources]
     protocol["seeds"] = sorted({r["seed"] for r in rows})
@@ -512,23 +726,23 @@ def rerender(sources: Sequence[Path], out: Path) -> list[dict[str, Any]]:
     return write_table_files(out, protocol, rows)
 
 
-def check_htfllib(root: Path, python: str, env: Mapping[str, str]) -> str | None:
-    """One line on what keeps HtFLlib from running here (None: all there)."""
+def check_reference(ref: Reference, root: Path, python: str, env: Mapping[str, str]) -> str | None:
+    """One line on what keeps the reference library from running here (None: all there)."""
     if not (root / "system" / "main.py").is_file():
-        return f"--htfllib {root}: no system/main.py there (give the folder that holds HtFLlib's system/)"
-    needed = ("torch", "torchvision", "numpy", "sklearn", "h5py", "calmsize")
+        return f"--{ref.key} {root}: no system/main.py there (give the folder that holds {ref.name}'s system/)"
+    needed = ref.packages
     probe = f"import importlib.util as u; print(' '.join(n for n in {needed!r} if u.find_spec(n) is None))"
     try:
         done = subprocess.run([python, "-c", probe], env=dict(env), capture_output=True, text=True, check=False, timeout=300)
     except OSError as exc:
-        return f"--htfllib-python {python} cannot be run ({exc})"
+        return f"--{ref.key}-python {python} cannot be run ({exc})"
     if done.returncode != 0:
-        return f"--htfllib-python {python} failed: {tail_text(done.stderr)}"
+        return f"--{ref.key}-python {python} failed: {tail_text(done.stderr)}"
     missing = done.stdout.split()
     if missing:
         return (
-            f"HtFLlib's Python lacks {', '.join(missing)}: install them (pip install --target DIR {' '.join(missing)}, "
-            "then --htfllib-pythonpath DIR) or give --htfllib-python"
+            f"{ref.name}'s Python lacks {', '.join(missing)}: install them (pip install --target DIR {' '.join(missing)}, "
+            f"then --{ref.key}-pythonpath DIR) or give --{ref.key}-python"
         )
     return None
 
@@ -553,10 +767,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(prog="run_parity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--methods", default="local,fedavg,fedproto,fedgh,fedre", help="comma list of privfl method names")
     p.add_argument("--seeds", default="0", help="comma list of seeds (each: its own partition, both sides)")
-    p.add_argument("--htfllib", help="HtFLlib checkout (the folder holding system/); required unless --sides privfl")
+    p.add_argument(
+        "--reference", default="htfllib", choices=tuple(REFERENCES), help="the library privfl is compared with (method map: PARITY or PFLLIB)"
+    )
+    p.add_argument("--htfllib", help="HtFLlib checkout (the folder holding system/); required for --reference htfllib unless --sides privfl")
     p.add_argument("--htfllib-python", default=sys.executable, help="Python that runs HtFLlib (default: this one)")
     p.add_argument("--htfllib-pythonpath", default="", help="prepended to HtFLlib's PYTHONPATH (e.g. where h5py and calmsize were installed)")
-    p.add_argument("--sides", default="privfl,htfllib", help="which sides to run: privfl, htfllib or both")
+    p.add_argument("--pfllib", help="PFLlib checkout (the folder holding system/); required for --reference pfllib unless --sides privfl")
+    p.add_argument("--pfllib-python", default=sys.executable, help="Python that runs PFLlib (default: this one)")
+    p.add_argument("--pfllib-pythonpath", default="", help="prepended to PFLlib's PYTHONPATH (e.g. where h5py and calmsize were installed)")
+    p.add_argument("--sides", help="which sides to run: privfl, the reference (htfllib or pfllib) or both (default: both)")
     p.add_argument("--out", default="runs/parity", help="output folder (new or empty)")
     p.add_argument("--dataset", default="fashionmnist")
     p.add_argument("--subsample", type=int, default=3000)
@@ -582,6 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from privfl.methods import METHODS
 
+    ref = REFERENCES[args.reference]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if not methods or unknown:
@@ -592,28 +813,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--seeds takes a comma list of integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0:
         raise ConfigError(f"--seeds takes non-negative integers, got {args.seeds!r}")
-    sides = {s.strip() for s in args.sides.split(",") if s.strip()}
-    if not sides or sides - {"privfl", "htfllib"}:
-        raise ConfigError(f"--sides takes privfl, htfllib or both, got {args.sides!r}")
+    sides = {s.strip() for s in (args.sides or f"privfl,{ref.key}").split(",") if s.strip()}
+    if not sides or sides - {"privfl", ref.key}:
+        raise ConfigError(f"--sides takes privfl, {ref.key} or both with --reference {ref.key}, got {args.sides!r}")
+    run_ref = ref.key in sides
     sets = parse_sets(args.set, methods)
-    if args.model_group not in MODEL_GROUPS and "htfllib" in sides:
-        raise ConfigError(f"model group {args.model_group} has no HtFLlib counterpart here; mapped: {', '.join(MODEL_GROUPS)}")
-    fixed = ("--optimizer", "--momentum", "--weight-decay", "--shuffle", "--no-drop-last", "--no-same-init", "--join-ratio", "--seed", "--out-dir")
-    for bad in (*fixed, "--run-name"):
+    if run_ref:
+        problem = ref.model_problem(args.model_group, args.dataset)
+        if problem:
+            raise ConfigError(problem)
+    fixed = (
+        "--optimizer",
+        "--momentum",
+        "--weight-decay",
+        "--shuffle",
+        "--no-shuffle",
+        "--no-drop-last",
+        "--no-same-init",
+        "--join-ratio",
+        "--seed",
+        "--out-dir",
+    )
+    for bad in (*fixed, "--run-name", "--local-epochs", "--eval"):
         if any(a == bad or a.startswith(bad + "=") for a in args.privfl_arg):
-            raise ConfigError(f"--privfl-arg {bad}: the harness sets it (HtFLlib: plain SGD, fixed order, drop_last, one init, join ratio 1)")
+            raise ConfigError(
+                f"--privfl-arg {bad}: the harness sets it (the reference's plain SGD, batch order, drop_last, one init, join ratio 1, "
+                "epochs per method, both evaluations)"
+            )
 
     out = Path(args.out)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise ConfigError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
-    out = out.absolute()  # the HtFLlib side runs in a working directory of its own
-    htfl_root = Path(args.htfllib).resolve() if args.htfllib else None
-    extra_path = [p for p in args.htfllib_pythonpath.split(os.pathsep) if p]
-    htfl_env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    if "htfllib" in sides:
-        if htfl_root is None:
-            raise ConfigError("--htfllib PATH is required to run HtFLlib's side (or --sides privfl)")
-        problem = check_htfllib(htfl_root, args.htfllib_python, htfl_env)
+    out = out.absolute()  # the reference side runs in a working directory of its own
+    given_root = getattr(args, ref.key)
+    ref_root = Path(given_root).resolve() if given_root else None
+    ref_python = getattr(args, f"{ref.key}_python")
+    extra_path = [p for p in getattr(args, f"{ref.key}_pythonpath").split(os.pathsep) if p]
+    ref_env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if run_ref:
+        if ref_root is None:
+            raise ConfigError(f"--{ref.key} PATH is required to run {ref.name}'s side (or --sides privfl)")
+        problem = check_reference(ref, ref_root, ref_python, ref_env)
         if problem:
             raise ConfigError(problem)
 
@@ -640,11 +880,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     protocol = {
         "setting": setting.as_dict(),
         "seeds": seeds,
-        "privfl_fixed_flags": FIXED_PRIVFL,
-        "alignment": "privfl round r (0-based, end of round) = HtFLlib rs_test_acc[r+1] (start of round r+1); rs_test_acc[0] is untrained",
+        "reference": ref.key,
+        "privfl_fixed_flags": ref.fixed_privfl,
+        "alignment": f"privfl round r (0-based, end of round) = {ref.name} rs_test_acc[r+1] (start of round r+1); rs_test_acc[0] is untrained",
         "threads": 1,
-        "htfllib": str(htfl_root) if htfl_root else None,
-        "htfllib_commit": git_commit(htfl_root) if htfl_root else None,
+        ref.key: str(ref_root) if ref_root else None,
+        f"{ref.key}_commit": git_commit(ref_root) if ref_root else None,
         "python": sys.version.split()[0],
         "torch": __import__("torch").__version__,
     }
@@ -654,10 +895,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for seed in seeds:
         datasets: dict[str, str] = {}  # partition digest -> exported dataset name
-        work = out / "htfllib" / f"seed{seed}"
+        work = out / ref.key / f"seed{seed}"
         for method in methods:
-            parity = PARITY.get(method, Parity(None, note="not mapped to HtFLlib by this harness"))
-            row: dict[str, Any] = {"method": method, "seed": seed, "htfllib_algo": parity.algo, "note": parity.note}
+            parity = ref.methods.get(method, Parity(None, note=f"not mapped to {ref.name} by this harness"))
+            row: dict[str, Any] = {"method": method, "seed": seed, "reference": ref.name, "htfllib_algo": parity.algo, "note": parity.note}
+            if parity.protocol != "global":
+                row["protocol"] = parity.protocol
             rows.append(row)
             # ---- privfl
             fields_ = set(getattr(METHODS.get(method).Options, "__dataclass_fields__", {}))
@@ -667,10 +910,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["privfl_options"] = options
             if skipped:
                 row["note"] = (row["note"] + "; " if row["note"] else "") + f"privfl {method} has no option(s) {', '.join(skipped)}"
+            method_setting = dataclasses.replace(setting, **parity.setting(setting.as_dict())) if parity.algo else setting
+            if method_setting != setting:
+                row["privfl_setting"] = {k: v for k, v in method_setting.as_dict().items() if v != getattr(setting, k)}
             run_dir = out / "privfl" / f"{method}-s{seed}"
             if "privfl" in sides:
                 (out / "privfl").mkdir(exist_ok=True)
-                cmd = [sys.executable, "-m", "privfl.train", method, *setting.privfl_flags(seed), *option_flags(options)]
+                cmd = [sys.executable, "-m", "privfl.train", method, *method_setting.privfl_flags(seed, ref.fixed_privfl), *option_flags(options)]
                 cmd += ["--out-dir", str(out / "privfl"), "--run-name", run_dir.name]
                 row["privfl_cmd"] = cmd
                 print(f"[seed {seed}] privfl {method} ...", flush=True)
@@ -683,31 +929,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row["privfl"]["wall_seconds"] = wall
                     row["privfl"]["loadavg_after"] = list(os.getloadavg())  # other work on the machine shows in s/round
                     done = row["privfl"]
-                    print(f"[seed {seed}] privfl {method}: final {pct(done['final_acc'])}, {secs(done['s_per_round'])} s/round", flush=True)
+                    final = done.get("final_acc_personal") if parity.protocol == "personal" else done["final_acc"]
+                    print(f"[seed {seed}] privfl {method}: final {pct(final)} ({parity.protocol}), {secs(done['s_per_round'])} s/round", flush=True)
             write_tables()
-            # ---- HtFLlib
-            if "htfllib" not in sides or parity.algo is None:
+            # ---- the reference library
+            if not run_ref or parity.algo is None:
                 continue
-            assert htfl_root is not None
+            assert ref_root is not None
             if "privfl" in row:
                 resolved = json.loads((run_dir / "config.json").read_text())
             elif "privfl" in sides:
                 continue  # privfl failed: nothing to compare against
-            else:  # HtFLlib only: the options privfl would resolve
+            else:  # reference only: the options privfl would resolve
                 from privfl.config import build_config
 
                 values = {
                     "method": method,
-                    "dataset": setting.dataset,
-                    "subsample": setting.subsample,
-                    "num_clients": setting.num_clients,
-                    "partition": setting.partition,
-                    "alpha": setting.alpha,
-                    "model_group": setting.model_group,
-                    "lr": setting.lr,
-                    "batch_size": setting.batch_size,
-                    "rounds": setting.rounds,
-                    "local_epochs": setting.local_epochs,
+                    "dataset": method_setting.dataset,
+                    "subsample": method_setting.subsample,
+                    "num_clients": method_setting.num_clients,
+                    "partition": method_setting.partition,
+                    "alpha": method_setting.alpha,
+                    "model_group": method_setting.model_group,
+                    "lr": method_setting.lr,
+                    "batch_size": method_setting.batch_size,
+                    "rounds": method_setting.rounds,
+                    "local_epochs": method_setting.local_epochs,
                     "seed": seed,
                     "options": options,
                 }
@@ -716,18 +963,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             problems = parity.mismatch(opts, resolved)
             if problems:
                 row["htfllib_error"] = "; ".join(problems)
-                print(f"[seed {seed}] HtFLlib {parity.algo}: not comparable: {row['htfllib_error']}", flush=True)
+                print(f"[seed {seed}] {ref.name} {parity.algo}: not comparable: {row['htfllib_error']}", flush=True)
                 write_tables()
                 continue
             # the partition, exported once per distinct partition
             work.mkdir(parents=True, exist_ok=True)
             digest = partition_digest(run_dir) if "privfl" in row else f"args-seed{seed}"
             if digest not in datasets:
-                name = f"{setting.dataset}_privfl_s{seed}" + (f"_{len(datasets)}" if datasets else "")
+                name = ref.dataset_name(setting.dataset, seed) + (f"_{len(datasets)}" if datasets else "")
                 if "privfl" in row:
                     export = exporter.from_run(run_dir, setting.data_root)
-                else:  # HtFLlib only: the partition privfl.train would draw for these options
-                    export = exporter.from_train_args([method, *setting.privfl_flags(seed)])
+                else:  # reference only: the partition privfl.train would draw for these options
+                    export = exporter.from_train_args([method, *method_setting.privfl_flags(seed, ref.fixed_privfl)])
                 exporter.write(export, work / "dataset" / name)
                 datasets[digest] = name
                 (work / "cwd").mkdir(exist_ok=True)
@@ -737,24 +984,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_cfg = json.loads((work / "dataset" / name / "config.json").read_text())
             sample = exporter.read_htfllib_client(work / "dataset" / name, 0, "test")
             channels, image_size = int(sample["x"].shape[1]), int(sample["x"].shape[2])
-            family, pinned = MODEL_GROUPS[setting.model_group]
-            flags = ["-data", name, "-m", family, "-algo", parity.algo, "-gr", str(resolved["rounds"]), "-lr", _f(resolved["lr"])]
-            flags += ["-lbs", str(resolved["batch_size"]), "-ls", str(resolved["local_epochs"]), "-jr", "1", "-nc", str(resolved["num_clients"])]
-            flags += ["-ncl", str(data_cfg["num_classes"]), "-fd", str(resolved["rep_dim"]), "-dev", "cpu", "-go", "parity", "-t", "1", "-eg", "1"]
-            flags += parity.flags(opts, resolved)
-            launcher = [args.htfllib_python, str(LAUNCHER), "--system", str(htfl_root / "system"), "--threads", "1"]
-            launcher += ["--result", str(work / f"{method}.result.json")]
-            if pinned:
-                launcher += ["--model", pinned.format(channels=channels, flat=cnn_flat_dim(image_size))]
+            launcher, flags = ref.commands(
+                parity,
+                opts,
+                resolved,
+                root=ref_root,
+                python=ref_python,
+                data=name,
+                num_classes=int(data_cfg["num_classes"]),
+                channels=channels,
+                image_size=image_size,
+                result=work / f"{method}.result.json",
+            )
             cmd = [*launcher, "--", *flags]
             row["htfllib_cmd"] = cmd
-            print(f"[seed {seed}] HtFLlib {parity.algo} ...", flush=True)
+            print(f"[seed {seed}] {ref.name} {parity.algo} ...", flush=True)
             log = work / f"{method}.log"
-            rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=htfl_env)
+            rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=ref_env)
             if rc != 0:
                 row["htfllib_error"] = tail(log)
                 row["htfllib_partial_acc"] = printed_accuracies(log)  # what it evaluated before it stopped (round 0 first)
-                print(f"[seed {seed}] HtFLlib {parity.algo} FAILED (exit {rc}): {row['htfllib_error']}", flush=True)
+                print(f"[seed {seed}] {ref.name} {parity.algo} FAILED (exit {rc}): {row['htfllib_error']}", flush=True)
             else:
                 try:
                     row["htfllib"] = htfllib_side(log, int(resolved["rounds"]))
@@ -766,7 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     params = privfl_model_params(resolved, channels, image_size, int(data_cfg["num_classes"]))
                     row["model_check"] = compare_models(params, row["htfllib"].pop("model"))
                     print(
-                        f"[seed {seed}] HtFLlib {parity.algo}: final {pct(row['htfllib']['final_acc'])}, "
+                        f"[seed {seed}] {ref.name} {parity.algo}: final {pct(row['htfllib']['final_acc'])}, "
                         f"{secs(row['htfllib']['s_per_round'])} s/round, same model shapes: {row['model_check'].get('same_shapes_in_order')}",
                         flush=True,
                     )
