@@ -15,11 +15,17 @@ sender lists it in the message's ``aux``), and decodes to that shape.
 
 :func:`svd_encode` is the encoder (HtFLlib's ``decomposition`` rule, with the rank decision below);
 :func:`svd_rank` is its rank rule and :func:`svd_scalars` the payload count of an encoded state.
+
+Sparse models (DisPFL, Dai et al., ICML 2022): a tensor ``NAME`` sent at a mask is ``NAME@values`` (1-d,
+the entries where the mask is set, in row-major order), ``NAME@mask`` (the mask as packed bits, uint8,
+most significant bit first, ceil(n/8) bytes) and ``NAME@shape`` (int64); mask and shape are bookkeeping
+(aux). :func:`sparse_encode` / :func:`sparse_decode` are the pair, :func:`sparse_masks` reads the masks.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
@@ -159,3 +165,93 @@ __all__ = [
     "svd_rank",
     "svd_scalars",
 ]
+
+
+# ------------------------------------------------------------------------------------------ sparse (DisPFL)
+SPARSE_SEPARATOR = "@"
+SPARSE_PARTS = ("values", "mask", "shape")
+_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as packed bits (uint8, 1-d, ceil(n/8) bytes, most significant bit first)."""
+    flat = mask.reshape(-1).to(torch.uint8).cpu()
+    pad = (-len(flat)) % 8
+    if pad:
+        flat = torch.cat([flat, torch.zeros(pad, dtype=torch.uint8)])
+    return (flat.view(-1, 8) * _BITS).sum(1).to(torch.uint8)
+
+
+def unpack_mask(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat boolean mask of ``numel`` entries that :func:`pack_mask` packed."""
+    flat = (bits.reshape(-1, 1).to(torch.uint8) & _BITS.to(bits.device)) != 0
+    return flat.reshape(-1)[:numel]
+
+
+def sparse_name(name: str, part: str) -> str:
+    if part not in SPARSE_PARTS:
+        raise ValueError(f"sparse part must be one of {SPARSE_PARTS}, got {part!r}")
+    return f"{name}{SPARSE_SEPARATOR}{part}"
+
+
+def sparse_encode(tensors: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor with a mask as its values at the mask, the packed mask and its shape; others as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name not in masks:
+            out[name] = t.detach().clone()
+            continue
+        m = masks[name].reshape(-1).to(t.device)
+        out[sparse_name(name, "values")] = t.detach().reshape(-1)[m].clone()
+        out[sparse_name(name, "mask")] = pack_mask(masks[name])
+        out[sparse_name(name, "shape")] = torch.tensor(list(t.shape), dtype=torch.int64)
+    return out
+
+
+def _groups(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    plain: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        base, sep, part = key.rpartition(SPARSE_SEPARATOR)
+        if sep and part in SPARSE_PARTS:
+            parts[base][part] = value
+        else:
+            plain[key] = value
+    for base, got in parts.items():
+        missing = [p for p in SPARSE_PARTS if p not in got]
+        if missing:
+            raise ValueError(f"sparse tensor {base!r} lacks {', '.join(missing)}")
+    return parts, plain
+
+
+def sparse_masks(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The boolean masks of a sparse message, by tensor name, in each tensor's shape."""
+    parts, _ = _groups(tensors)
+    out = {}
+    for base, p in parts.items():
+        shape = [int(d) for d in p["shape"].tolist()]
+        numel = math.prod(shape)
+        if p["mask"].numel() != -(-numel // 8):
+            raise ValueError(f"sparse mask of {base!r} has {p['mask'].numel()} bytes, expected {-(-numel // 8)} for shape {shape}")
+        out[base] = unpack_mask(p["mask"], numel).reshape(shape).to(p["values"].device)
+    return out
+
+
+def sparse_decode(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The dense tensors of a sparse message: the values at their masks, zeros elsewhere (ValueError if inconsistent)."""
+    parts, plain = _groups(tensors)
+    masks = sparse_masks(tensors)
+    out = dict(plain)
+    for base, p in parts.items():
+        mask, values = masks[base], p["values"]
+        if values.dim() != 1 or values.numel() != int(mask.sum()):
+            raise ValueError(f"sparse tensor {base!r} has {values.numel()} values for a mask of {int(mask.sum())} entries")
+        dense = torch.zeros(mask.numel(), dtype=values.dtype, device=values.device)
+        dense[mask.reshape(-1).to(values.device)] = values
+        out[base] = dense.reshape(mask.shape)
+    return out
+
+
+def sparse_aux(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """The bookkeeping tensors of an encoded message (masks and shapes): left out of the paper-style count."""
+    return tuple(k for k in tensors if k.endswith((SPARSE_SEPARATOR + "mask", SPARSE_SEPARATOR + "shape")))

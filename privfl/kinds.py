@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from privfl.codecs import svd_decode
+from privfl.codecs import sparse_decode, svd_decode
 from privfl.errors import PrivflError
 from privfl.registry import Registry
 
@@ -520,6 +520,47 @@ for _kind in (
         ),
         closed=False,
         decode=svd_decode,
+    ),
+    ArtifactKind(
+        "sparse_model",
+        Family.PARAMETERS,
+        "a sparse model (DisPFL): per parameter NAME its values at the sender's mask (NAME@values), the mask as packed "
+        "bits (NAME@mask, aux) and its shape (NAME@shape, aux); decoded to dense, zero-filled tensors (privfl.codecs)",
+        (TensorSpec("*", dtype="any", doc="NAME@values (float, 1-d), NAME@mask (uint8 packed bits), NAME@shape (int64); or a dense NAME"),),
+        (
+            MetaSpec("num_samples", "int", directions=frozenset({"up", "peer"}), doc="training samples behind the model"),
+            MetaSpec("lr", "number", required=False, doc="the local learning rate (default: the run's --lr)"),
+        ),
+        closed=False,
+        decode=sparse_decode,
+    ),
+    ArtifactKind(
+        "mean_rep",
+        Family.AGGREGATE_REPRESENTATION,
+        "one mean representation over many samples of no particular class: a client's running mean "
+        "(DBE's r_i^g mean, up) or the server's sample-weighted mean of them (DBE's global mean, down)",
+        (TensorSpec("rep", ndim=1, doc="(d,) the mean representation"),),
+        (
+            MetaSpec("num_samples", "int", directions=frozenset({"up", "peer"}), doc="training samples of the sender; the server weights by it"),
+            MetaSpec("momentum", "number", required=False, doc="the running mean's momentum (1: the mean of the last batch)"),
+        ),
+        vectors="rep",
+    ),
+    ArtifactKind(
+        "shared_features",
+        Family.PER_SAMPLE_REPRESENTATION,
+        "input-space features shared as training data, one image-shaped row per sample and noise draw (FedFed's x_s + n), with labels",
+        (
+            TensorSpec("features", ndim=4, doc="(m, C, H, W) on the [0, 1] pixel scale; row i belongs to sample i of the message's truth"),
+            TensorSpec("labels", dtype="int", ndim=1, role="aux", doc="(m,) class of each row"),
+            TensorSpec("level", dtype="int", ndim=1, role="aux", required=False, doc="(m,) the noise level of each row (index into meta noise_std)"),
+        ),
+        (
+            MetaSpec("num_samples", "int", directions=frozenset({"up", "peer"}), doc="distinct training samples behind an upload"),
+            MetaSpec("noise_std", "list", doc="std of the Gaussian noise of each level, in [0, 1] pixel units"),
+        ),
+        vectors="features",
+        classes="labels",
     ),
     ArtifactKind(
         "label_counts",

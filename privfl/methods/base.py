@@ -361,7 +361,7 @@ class GlobalModelServer(FLMethod):
 
     requires_homogeneous = True
     #: the broadcast overwrites the whole model: ``--eval personal`` scores the locally trained one
-    personal_parts = ("",)
+    personal_parts: ClassVar[tuple[str, ...]] = ("",)
 
     def __init__(self, env):
         super().__init__(env)

@@ -81,7 +81,6 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.kinds import KINDS, ArtifactKind, Family, MetaSpec, TensorSpec, register_kind
 from privfl.methods.base import METHODS, Client, GlobalModelServer, LeakageContext, ModelRequest, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.methods.trainer import Objective
@@ -91,25 +90,6 @@ from privfl.models.split import SplitModel
 SETUP_ROUND = -1
 #: client-model tensors that never cross the wire inside a ``model`` message
 PRIVATE = ("prbm", "global_mean")
-
-# A kind for one class-free mean of representations. No built-in kind fits: ``proto``/``global_proto``
-# need class ids, ``ent_rep`` is FedRE's randomly weighted class mix with its soft label. Registered here
-# unless privfl.kinds already has it (it belongs there; see the report of this method).
-if "mean_rep" not in KINDS:
-    register_kind(
-        ArtifactKind(
-            "mean_rep",
-            Family.AGGREGATE_REPRESENTATION,
-            "one mean representation over many samples of no particular class: a client's running mean "
-            "(DBE's r_i^g mean, up) or the server's sample-weighted mean of them (DBE's global mean, down)",
-            (TensorSpec("rep", ndim=1, doc="(d,) the mean representation"),),
-            (
-                MetaSpec("num_samples", "int", directions=frozenset({"up", "peer"}), doc="training samples of the sender; the server weights by it"),
-                MetaSpec("momentum", "number", required=False, doc="the running mean's momentum (1: the mean of the last batch)"),
-            ),
-            vectors="rep",
-        )
-    )
 
 
 class DBEModel(SplitModel):
@@ -209,7 +189,7 @@ class FedAvgDBE(GlobalModelServer):
     requires_homogeneous = True
     #: the broadcast overwrites these; PRBM (and G) stay the client's own. (The ignore: mypy infers
     #: GlobalModelServer's unannotated ("",) as tuple[str]; FLMethod declares tuple[str, ...].)
-    personal_parts = ("features", "mapping", "head")  # type: ignore[assignment]
+    personal_parts = ("features", "mapping", "head")
     leakage = {
         "model": LeakageContext(
             previous="model",

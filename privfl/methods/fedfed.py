@@ -141,40 +141,14 @@ from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.data.datasets import PFLLIB_MEAN_STD
 from privfl.errors import ConfigError
-from privfl.kinds import KINDS, ArtifactKind, Family, MetaSpec, TensorSpec, register_kind
 from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.methods.trainer import Objective
 from privfl.models.split import SplitModel
 from privfl.seeding import numpy_rng, seed_global, torch_generator
 
-#: the kind of the shared dataset's messages, registered here with the method that sends it: it exists once
-#: ``privfl.methods`` is loaded (training, ``Run``, the attacks); ``privfl.capture`` alone loads no methods, so
-#: its ``kinds`` and ``list --kind shared_features`` miss it until the declaration moves to privfl/kinds.py
-#: (this guard then leaves that one in place)
+#: the kind of the shared dataset's messages (declared in privfl.kinds)
 SHARED_FEATURES = "shared_features"
-
-if SHARED_FEATURES not in KINDS:
-    register_kind(
-        ArtifactKind(
-            SHARED_FEATURES,
-            Family.PER_SAMPLE_REPRESENTATION,
-            "input-space features shared as training data, one image-shaped row per sample and noise draw (FedFed's x_s + n), with labels",
-            (
-                TensorSpec("features", ndim=4, doc="(m, C, H, W) on the [0, 1] pixel scale; row i belongs to sample i of the message's truth"),
-                TensorSpec("labels", dtype="int", ndim=1, role="aux", doc="(m,) class of each row"),
-                TensorSpec(
-                    "level", dtype="int", ndim=1, role="aux", required=False, doc="(m,) the noise level of each row (index into meta noise_std)"
-                ),
-            ),
-            (
-                MetaSpec("num_samples", "int", directions=frozenset({"up", "peer"}), doc="distinct training samples behind an upload"),
-                MetaSpec("noise_std", "list", doc="std of the Gaussian noise of each level, in [0, 1] pixel units"),
-            ),
-            vectors="features",
-            classes="labels",
-        )
-    )
 
 
 # ------------------------------------------------------------------------------------------ the distiller
