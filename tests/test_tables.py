@@ -178,3 +178,19 @@ def test_drdfl_table_reports_local_t_global_t_and_total_comm(tmp_path, fmnist):
     assert got["Local"]["comm_m"] == 0 and got["DRDFL"]["comm_m"] == round(run["per_round"]["peer_scalars"] / 1e6, 4) > 0
     md = (out / "table.md").read_text()
     assert "Global-T last-10" in md and "#Comm M/round" in md and "paper L (C10 dir0.1, ref.)" in md
+
+
+def test_new_clients_script_compares_drdfl_with_dispfl_and_never_overwrites(tmp_path, fmnist, capsys):
+    from experiments.drdfl import new_clients
+
+    out = tmp_path / "nc"
+    argv = ["--old", "2", "--new", "1", "--stage1", "1", "--stage2", "1", "--subsample", "400", "--out", str(out)]
+    assert new_clients.main([*argv, "--rows", "DRDFL (Learngene init),DisPFL"]) == 0
+    result = json.loads((out / "new_clients.json").read_text())
+    assert set(result["curves"]) == {"DRDFL (Learngene init)", "DisPFL"} and all(len(c) == 1 for c in result["curves"].values())
+    assert (out / "new_clients.png").stat().st_size > 0
+    dispfl = json.loads((out / "dispfl" / "metrics.jsonl").read_text().splitlines()[-1])
+    key = "client_acc_personal" if "client_acc_personal" in dispfl else "client_acc"
+    assert result["curves"]["DisPFL"][0] == pytest.approx(dispfl[key][2])  # the new client's own accuracy
+    assert run_cli("x", lambda: new_clients.main(argv)) == 2  # the folder is not empty: refused, nothing deleted
+    assert (out / "new_clients.json").exists()

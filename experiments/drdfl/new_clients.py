@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage1", type=int, default=3)
     p.add_argument("--stage2", type=int, default=3)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of rows (default all: {', '.join(ROWS)})")
+    p.add_argument("--subsample", type=int, default=None, help="quick setting's seeded subset (default 4000)")
     p.add_argument("--data-root", default=None)
     p.add_argument("--out", default="runs/drdfl-new-clients")
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         values = {
             "dataset": "fashionmnist",
-            "subsample": 4000,
+            "subsample": args.subsample or 4000,
             "partition": "pat",
             "classes_per_client": 4,
             "balanced": True,
