@@ -75,8 +75,7 @@ Decisions where the paper is open or its code differs:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -87,6 +86,7 @@ from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
 from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
+from privfl.methods.fedrep import frozen
 from privfl.seeding import derive_seed
 from privfl.topology import Graph, GraphOptions, build_graph
 
@@ -127,20 +127,6 @@ def mix_states(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[floa
         mean = acc / total
         out[k] = mean.to(v.dtype) if v.is_floating_point() else mean.round().to(v.dtype)
     return out
-
-
-@contextmanager
-def frozen(params: Iterable[nn.Parameter]) -> Iterator[None]:
-    """``requires_grad`` off for ``params`` inside the block (no gradient computed for the other part)."""
-    params = list(params)
-    before = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in zip(params, before):
-            p.requires_grad_(flag)
 
 
 @dataclass
