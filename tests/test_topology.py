@@ -116,7 +116,10 @@ def test_drdfl_runs_on_a_kregular_graph_and_mixes_the_mean_of_its_neighbours(tmp
     from privfl.methods import METHODS
 
     cfg = build_config({"method": "drdfl", "subsample": 400, "num_clients": 4, "partition": "iid", "progress": False}, METHODS.get("drdfl").Options)
+    from privfl.methods.drdfl import DRDFL
+
     method = Trainer(cfg, tmp_path / "mix").method
+    assert isinstance(method, DRDFL)
     a, b, c = method.env.clients[:3]
     with torch.no_grad():
         for p in b.model.learngene.parameters():

@@ -61,11 +61,12 @@ def plot(curves: dict[str, list[float]], stage1: int, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for label, curve in curves.items():
         ax.plot(range(stage1 + 1, stage1 + len(curve) + 1), [100 * a for a in curve], marker="o" if len(curve) < 30 else None, label=label)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(f"round, counted from 1 (new clients joined after round {stage1})")
     ax.set_ylabel("new clients' mean Local-T accuracy (%)")
     ax.grid(alpha=0.3)
