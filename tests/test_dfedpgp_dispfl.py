@@ -22,7 +22,6 @@ import torch
 
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel
-from privfl.engine import TrainCallback
 from privfl.kinds import KINDS
 from privfl.methods.dfedpgp import DFedPGP, body_state, mix_states
 from privfl.methods.dispfl import (
@@ -45,6 +44,8 @@ from privfl.topology import Graph, parse_failures
 from privfl.train import main as train_main
 from privfl.verify import verify_run
 from tests.conftest import FMNIST, read_metrics
+from tests.killer import InterruptAfter as KillAt
+from tests.killer import Interrupted as Kill
 
 TINY = ["--subsample", "300", "--partition", "iid", "--batch-size", "32", "--no-progress", "--model-group", "homo-cnn4"]
 RANDOM = ["--num-clients", "5", "--rounds", "2", "--topology", "random", "--degree", "3", "--failures", "1@1"]
@@ -319,19 +320,6 @@ def test_dispfl_random_graph_with_a_down_node(runs):
 
 
 # ------------------------------------------------------------------------------------------ resume
-class Kill(Exception):
-    pass
-
-
-class KillAt(TrainCallback):
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message: Any, record: dict[str, Any]) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Kill
 
 
 @pytest.mark.parametrize(

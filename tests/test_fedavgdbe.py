@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from privfl.capture import Message
 from privfl.channel import Channel, summarize_comm
 from privfl.config import build_config
-from privfl.engine import TrainCallback
 from privfl.methods import METHODS, Client, ModelRequest
 from privfl.methods.fedavgdbe import PRIVATE, SETUP_ROUND, DBEModel, FedAvgDBE, FedAvgDBEOptions, shared_state
 from tests.conftest import read_metrics
+from tests.killer import InterruptAfter as KillAfter
+from tests.killer import Interrupted as Killed
 from tests.test_train import needs_fmnist
 
 NAMES = [f"client{k}" for k in range(10)]
@@ -200,24 +201,6 @@ def test_kappa_0_with_a_frozen_prbm_is_fedavg(tmp_path):
         ta, tb = a.capture.load(ra), b.capture.load(rb)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert all(torch.count_nonzero(c.model.prbm) == 0 for c in b.clients)
-
-
-class Killed(Exception):
-    """Raised by :class:`KillAfter` to stop a run mid-round."""
-
-
-class KillAfter(TrainCallback):
-    """Stop the run right after message ``count`` of round ``rnd`` was delivered (in-process: the
-    engine keeps the folder, since the rounds before it are complete and checkpointed)."""
-
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message, record) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Killed
 
 
 @needs_fmnist

@@ -22,6 +22,8 @@ from privfl.methods.drdfl import cifar_resnet18
 from privfl.methods.fedfed import SHARED_FEATURES, FeatureDistiller, FedFed, FedFedOptions, Generator, balanced_draw, grouped_noise
 from privfl.models import build_model
 from privfl.run import Run
+from tests.killer import InterruptAfter as StopAfter
+from tests.killer import Interrupted as Stop
 
 TINY = {"width": 8, "latent_dim": 16, "distill_rounds": 2}
 
@@ -226,26 +228,6 @@ def test_shared_rows_are_clean_x_s_plus_noise_of_the_configured_std(ran):
     finally:
         t.method.opts.noise_group = 1
     assert torch.allclose(grouped[0], grouped[15], atol=1e-5) and not torch.allclose(grouped[15], grouped[16], atol=1e-3)
-
-
-class Stop(Exception):
-    pass
-
-
-class StopAfter(TrainCallback):
-    """Abort the run (in process) right after message ``count`` of round ``rnd``."""
-
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message, record) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Stop
-
-    def on_round_end(self, rnd, entry) -> None:
-        pass
 
 
 def test_run_stopped_after_sharing_resumes_exactly(ran, tmp_path):

@@ -14,13 +14,14 @@ from torch import nn
 
 from privfl.capture import Message
 from privfl.codecs import svd_aux, svd_decode, svd_encode, svd_rank
-from privfl.engine import TrainCallback
 from privfl.kinds import KINDS
 from privfl.methods.fedgen import FedGen, Generator, diversity_loss, ensemble_logits, head_state, teacher_weights, train_generator
 from privfl.methods.fedkd import FedKD, FedKDModel, energy_at, load_mentee
 from privfl.models import build_model
 from privfl.run import Run
 from privfl.seeding import torch_generator
+from tests.killer import InterruptAfter as StopAfter
+from tests.killer import Interrupted as Interrupt
 from tests.test_train import FMNIST, metrics, train
 
 TINY = ["--subsample", "600", "--partition", "iid", "--rounds", "2", "--batch-size", "32", "--no-progress"]
@@ -350,23 +351,6 @@ def test_fedgen_leakage_and_declarations():
     assert ctx is not None and ctx.previous == "head" and ctx.module == ""
     assert FedGen.leakage_context("generator") is None and FedGen.leakage_context("label_counts") is None
     assert FedKD.leakage_context("svd_model").module == "mentee"  # type: ignore[union-attr]
-
-
-class Interrupt(Exception):
-    pass
-
-
-class StopAfter(TrainCallback):
-    """Abort the run (an exception, in process) right after message ``count`` of round ``rnd``."""
-
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message, record) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Interrupt
 
 
 def test_fedgen_interrupted_run_resumes_exactly(tmp_path, fmnist):

@@ -17,13 +17,14 @@ import torch
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel, summarize_comm
 from privfl.config import build_config
-from privfl.engine import TrainCallback
 from privfl.methods import METHODS
 from privfl.methods.base import module_tensors
 from privfl.methods.fedala import FedALA
 from privfl.methods.fedrep import FedRep, body_state, head_parameters
 from privfl.models import build_model
 from tests.conftest import read_metrics
+from tests.killer import InterruptAfter as KillAfter
+from tests.killer import Interrupted as Killed
 from tests.test_train import needs_fmnist
 
 NAMES = [f"client{k}" for k in range(10)]
@@ -216,21 +217,6 @@ def test_fedala_merges_lower_layers_global_and_top_layers_by_w_in_0_1(tmp_path):
     assert learned > 0  # W moved off its initial ones
     first, second = (h["ala_epochs"] for h in t.history)
     assert first > t.method.opts.num_pre_loss and second == 1.0  # converge once, then one epoch per round
-
-
-class Killed(Exception):
-    """Raised by :class:`KillAfter` to stop a run mid-round, as a kill would (in-process: subprocesses cost a minute here)."""
-
-
-class KillAfter(TrainCallback):
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message, record) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Killed
 
 
 @needs_fmnist

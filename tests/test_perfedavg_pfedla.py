@@ -22,7 +22,6 @@ from torch import nn
 from torch.func import functional_call
 
 from privfl.config import build_config
-from privfl.engine import TrainCallback
 from privfl.methods import METHODS
 from privfl.methods import perfedavg as perfedavg_module
 from privfl.methods.base import module_tensors
@@ -30,6 +29,8 @@ from privfl.methods.perfedavg import meta_objective, split_batch
 from privfl.methods.pfedla import layer_weights
 from privfl.run import Run
 from privfl.seeding import torch_generator
+from tests.killer import InterruptAfter as StopAfter
+from tests.killer import Interrupted as Interrupt
 from tests.test_train import metrics, needs_fmnist
 
 #: homo-cnn4 on Fashion-MNIST from its layer shapes: conv 5x5 1->32, conv 5x5 32->64, Linear(1024, 512), head Linear(512, 10)
@@ -314,21 +315,6 @@ def test_heurpfedla_keeps_the_clients_own_layers(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ resume
-class Interrupt(Exception):
-    pass
-
-
-class StopAfter(TrainCallback):
-    """Abort the run (an exception, in process) right after message ``count`` of round ``rnd``."""
-
-    def __init__(self, rnd: int, count: int):
-        self.rnd, self.count, self.seen = rnd, count, 0
-
-    def on_message(self, message, record) -> None:
-        if message.round == self.rnd:
-            self.seen += 1
-            if self.seen == self.count:
-                raise Interrupt
 
 
 @needs_fmnist
