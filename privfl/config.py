@@ -109,6 +109,20 @@ class TrainConfig:
     eval_batch_size: int = opt(512, "batch size for evaluation and representation passes", min=1)
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")
+    engine: str = opt(
+        "inprocess",
+        "inprocess: every client in this process (fast, the default); flower: clients as Flower ClientApps driven by a "
+        "ServerApp (pip extra 'flower'), for methods written in roles",
+        choices=("inprocess", "flower"),
+    )
+    flower_mode: str = opt(
+        "simulation",
+        "with --engine flower: simulation (Flower's Ray-backed Simulation Engine, on this machine) or deployment "
+        "(a SuperLink and SuperNodes, see docs/scale.md)",
+        choices=("simulation", "deployment"),
+    )
+    flower_client_cpus: float = opt(1.0, "CPU cores Flower's simulation gives each ClientApp (client resources)", min_exclusive=0)
+    flower_client_gpus: float = opt(0.0, "GPUs (fractions allowed) Flower's simulation gives each ClientApp", min=0)
     out_dir: str = opt("runs", "where run directories are created")
     run_name: str | None = opt(None, "run directory name (default: METHOD-DATASET-TIMESTAMP)")
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")

@@ -208,12 +208,7 @@ class Trainer:
         """Client models + method state as safetensors, then a JSON pointer; only the latest kept."""
         ckpt = self.run_dir / "checkpoint"
         ckpt.mkdir(exist_ok=True)
-        state = {}
-        for c in self.clients:
-            state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
-        state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
-        for client, parts in self.method.personal.items():  # what --eval personal swaps in (resume scores the same)
-            state.update({f"personal.{client}/{part}/{k}": v for part, tensors in parts.items() for k, v in tensors.items()})
+        state = self.checkpoint_tensors()
         name = f"state-r{rnd:05d}.safetensors"
         data = st_save({k: v.detach().contiguous().cpu() for k, v in state.items()})
         atomic_write_bytes(ckpt / name, data)
@@ -233,6 +228,17 @@ class Trainer:
         for old in ckpt.glob("state-r*.safetensors"):
             if old.name != name:
                 old.unlink()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: every client's model, the method's server state, and the personal
+        parts ``--eval personal`` swaps in (so a resumed run scores the same)."""
+        state = {}
+        for c in self.clients:
+            state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
+        state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
+        for client, parts in self.method.personal.items():
+            state.update({f"personal.{client}/{part}/{k}": v for part, tensors in parts.items() for k, v in tensors.items()})
+        return state
 
     def load_checkpoint(self) -> None:
         info = read_checkpoint(self.run_dir)
@@ -287,11 +293,21 @@ class Trainer:
         A method that has no personal parts and no personal predictor scores the same under both, so
         it is evaluated once."""
         protocol = self.cfg.eval
-        main = self._score(personal=protocol == "personal")
+        flags = (protocol == "personal",) if protocol != "both" else ((False, True) if self.personal_differs else (False,))
+        hits = self.collect_hits(flags)
+        union = self.global_test_idx
+        size = len(union) if union is not None else None
+        main = accuracy_metrics(hits[protocol == "personal"], size)
         if protocol != "both":
             return main
-        personal = self._score(personal=True) if self.personal_differs else main
+        personal = accuracy_metrics(hits[True], size) if self.personal_differs else main
         return {**main, **{_personal_key(k): v for k, v in personal.items()}}
+
+    def collect_hits(self, flags: tuple[bool, ...]) -> dict[bool, list[tuple[int, int, int | None]]]:
+        """Every client's :func:`client_hits` under each protocol in ``flags`` (True: personal), in client order."""
+        union = self.global_test_idx
+        bs = self.cfg.eval_batch_size
+        return {flag: [client_hits(self.method, c, self.data, bs, personal=flag, union=union) for c in self.clients] for flag in flags}
 
     @property
     def global_test_idx(self) -> torch.Tensor | None:
@@ -308,40 +324,6 @@ class Trainer:
         m = type(self.method)
         return bool(m.personal_parts) or m.predict_personal is not FLMethod.predict_personal
 
-    def _score(self, *, personal: bool) -> dict[str, Any]:
-        """Per-client test accuracy; the mean is sample-weighted (sum correct / sum test samples), the
-        std is across clients (HtFLlib's convention). ``personal``: each client's personal parts as they
-        were after its last local training are swapped in for the evaluation (then swapped back)."""
-        correct, totals, global_hits = [], [], []
-        union = self.global_test_idx
-        for c in self.clients:
-            c.model.eval()
-            kept = self.method.personal.get(c.name, {}) if personal else {}
-            current = {part: {k: v.clone() for k, v in self._part(c, part).state_dict().items()} for part in kept}
-            for part, tensors in kept.items():
-                self._part(c, part).load_state_dict(tensors)
-            predict = self.method.predict_personal if personal else self.method.predict
-            correct.append(self._hits(predict, c, c.test_idx))
-            totals.append(len(c.test_idx))
-            if union is not None:
-                global_hits.append(self._hits(predict, c, union))
-            for part, tensors in current.items():
-                self._part(c, part).load_state_dict(tensors)
-        accs = np.array(correct) / np.maximum(np.array(totals), 1)
-        out: dict[str, Any] = {"acc": float(sum(correct) / max(sum(totals), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
-        if union is not None:
-            global_accs = np.array(global_hits) / max(len(union), 1)
-            out |= {"local_t": float(accs.mean()), "global_t": float(global_accs.mean()), "client_global_t": global_accs.round(6).tolist()}
-        return out
-
-    def _hits(self, predict: Any, client: Client, idx: torch.Tensor) -> int:
-        """How many of the samples ``idx`` the client's ``predict`` classifies correctly."""
-        return sum(int((predict(client, x).argmax(1) == y).sum()) for x, y in self.data.batches(idx, self.cfg.eval_batch_size))
-
-    @staticmethod
-    def _part(client: Client, part: str) -> torch.nn.Module:
-        return client.model.get_submodule(part) if part else client.model
-
     def select(self, rnd: int) -> list[Client]:
         if self.topology.kind != "star":  # ring or graph: every live node
             return [self.clients[i] for i in self.topology.alive(rnd)]
@@ -352,12 +334,20 @@ class Trainer:
         return [self.clients[i] for i in chosen]
 
     # ------------------------------------------------------------------ the loop
+    def play_setup(self) -> None:
+        """The method's messages before round 0 (the Flower engine's server runs the same on its side)."""
+        self.method.setup()
+
+    def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        """One round of the method; returns its metrics (``train_loss``, ...)."""
+        return self.method.run_round(rnd, selected)
+
     def run(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         if self.start_round == 0:
-            self.method.setup()
+            self.play_setup()
             setup_records = self.channel.end_round()
         else:
             setup_records = []
@@ -373,7 +363,7 @@ class Trainer:
         for rnd in bar:
             t0 = time.perf_counter()
             selected = self.select(rnd)
-            extra = self.method.run_round(rnd, selected)
+            extra = self.play_round(rnd, selected)
             records = setup_records + self.channel.end_round()
             setup_records = []
             if self.knowledge_store is not None:
@@ -437,12 +427,83 @@ class Trainer:
         return summary
 
 
+def _part(client: Client, part: str) -> torch.nn.Module:
+    return client.model.get_submodule(part) if part else client.model
+
+
+@torch.no_grad()
+def client_hits(
+    method: FLMethod, client: Client, data: DataView, batch_size: int, *, personal: bool, union: torch.Tensor | None
+) -> tuple[int, int, int | None]:
+    """(correct, test samples, correct on the Global-T set or None) of one client under one protocol.
+
+    ``personal``: the client's personal parts as they were after its last local training are swapped in
+    for the evaluation (then swapped back). Runs where the client lives (this process, or its Flower node)."""
+    client.model.eval()
+    kept = method.personal.get(client.name, {}) if personal else {}
+    current = {part: {k: v.clone() for k, v in _part(client, part).state_dict().items()} for part in kept}
+    for part, tensors in kept.items():
+        _part(client, part).load_state_dict(tensors)
+    predict = method.predict_personal if personal else method.predict
+
+    def hits(idx: torch.Tensor) -> int:
+        return sum(int((predict(client, x).argmax(1) == y).sum()) for x, y in data.batches(idx, batch_size))
+
+    out = (hits(client.test_idx), len(client.test_idx), hits(union) if union is not None else None)
+    for part, tensors in current.items():
+        _part(client, part).load_state_dict(tensors)
+    return out
+
+
+def accuracy_metrics(hits: Sequence[tuple[int, int, int | None]], union_size: int | None = None) -> dict[str, Any]:
+    """The round's accuracy entries from every client's :func:`client_hits`, in client order: the mean is
+    sample-weighted (sum correct / sum test samples), the std across clients (HtFLlib's convention);
+    with a Global-T set, Local-T and Global-T are unweighted means over clients (DRDFL)."""
+    correct = np.array([h[0] for h in hits])
+    totals = np.array([h[1] for h in hits])
+    accs = correct / np.maximum(totals, 1)
+    out: dict[str, Any] = {"acc": float(correct.sum() / max(totals.sum(), 1)), "acc_std": float(accs.std()), "client_acc": accs.round(6).tolist()}
+    if hits and hits[0][2] is not None:
+        size = union_size if union_size is not None else 0
+        global_accs = np.array([h[2] for h in hits]) / max(size, 1)
+        out |= {"local_t": float(accs.mean()), "global_t": float(global_accs.mean()), "client_global_t": global_accs.round(6).tolist()}
+    return out
+
+
+def engine_class(cfg: TrainConfig) -> type[Trainer]:
+    """The trainer of ``cfg.engine``; a one-line error (before anything is created) when it cannot run
+    the method: Flower not installed, a method not written in roles, an option it does not support yet."""
+    if cfg.engine == "inprocess":
+        return Trainer
+    from privfl.flower import require_flower
+
+    require_flower()
+    method_cls = resolve_method(cfg.method)
+    if not method_cls.in_roles():
+        raise ConfigError(
+            f"{cfg.method} runs in-process only: --engine flower needs a method written in roles "
+            "(client_round + server_round + receive, docs/extending.md), and this one overrides run_round"
+        )
+    if cfg.defense:
+        raise ConfigError("--defense is not supported with --engine flower yet (defenses run in-process)")
+    if cfg.flower_mode != "simulation":
+        raise ConfigError("--flower-mode deployment is not supported by privfl.train yet: use simulation (docs/scale.md)")
+    from privfl.flower.server import FlowerTrainer
+
+    return FlowerTrainer
+
+
 def subsample(dataset: Any, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
     """(images, labels, the kept indices or None): the run's seeded ``--subsample`` of the dataset."""
+    return subsample_of(dataset, cfg.subsample, cfg.seed)
+
+
+def subsample_of(dataset: Any, size: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+    """:func:`subsample` from its two settings (a Flower node caches the data by them)."""
     images, labels = dataset.images, dataset.labels
-    if cfg.subsample is None or cfg.subsample >= len(labels):
+    if size is None or size >= len(labels):
         return images, labels, None
-    subset = np.sort(numpy_rng(cfg.seed, "subsample").permutation(len(labels))[: cfg.subsample])
+    subset = np.sort(numpy_rng(seed, "subsample").permutation(len(labels))[:size])
     return images[subset], labels[subset], subset
 
 
@@ -560,6 +621,7 @@ def write_run_info(trainer: Trainer) -> None:
         "paper": m.paper,
         "sends": m.sends,
         "topology": trainer.topology.kind,
+        "engine": trainer.cfg.engine,
         "knowledge": {
             kind: {
                 "rounds": knowledge_rounds_text(trainer.cfg),
@@ -589,10 +651,11 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
 
     The folder is created by this call, exclusively (:class:`~privfl.runs.RunClaim`), after every
     check that needs no folder; only a folder this call created is ever removed."""
+    trainer_cls = engine_class(cfg)
     run_dir = new_run_dir(cfg)
     claim = RunClaim(run_dir)
     try:
-        trainer = Trainer(cfg, run_dir, callbacks=callbacks, claim=claim)
+        trainer = trainer_cls(cfg, run_dir, callbacks=callbacks, claim=claim)
         save_config(cfg, run_dir)
         write_run_info(trainer)
     except BaseException:
@@ -625,6 +688,10 @@ def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback
 
     What the kill left half-done is repaired and reported on stderr; any other damage to the run's
     stores refuses the resume with a one-line error (run ``python -m privfl.capture verify``)."""
+    if cfg.engine != "inprocess":
+        raise ConfigError(
+            f"{run_dir} ran on the {cfg.engine} engine, whose clients keep their state on their nodes: it cannot be resumed yet (train it again)"
+        )
     claim = RunClaim(run_dir)
     try:
         trainer = Trainer(cfg, run_dir, resume=True, callbacks=callbacks, claim=claim)

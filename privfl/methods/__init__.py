@@ -3,6 +3,7 @@
 from privfl.methods.base import (
     METHODS,
     Client,
+    ClientReply,
     DataView,
     FLEnv,
     FLMethod,
@@ -17,6 +18,7 @@ from privfl.methods.trainer import LocalStats, LocalTrainer
 __all__ = [
     "METHODS",
     "Client",
+    "ClientReply",
     "DataView",
     "FLEnv",
     "FLMethod",

@@ -198,6 +198,20 @@ class FLEnv:
     knowledge: KnowledgeRecorder
     topology: Any = None  # privfl.topology.Star | Ring, from FLMethod.build_topology
     trainer: LocalTrainer | None = None  # the shared seeded local loop (made from cfg and data when absent)
+    #: where a server-to-client message goes once sent (:meth:`FLMethod.deliver`): None = this process
+    #: holds the client, so the method's :meth:`FLMethod.receive` applies it at once (in-process engine);
+    #: the Flower engine's server queues it for the client's node instead
+    deliver: Callable[[str, Message], None] | None = None
+
+
+@dataclass
+class ClientReply:
+    """What one client's round produced, in a method written in roles (:meth:`FLMethod.client_round`):
+    the messages it sends to the server, each with the ground truth behind it (sample ids, weights;
+    filed apart from the capture, never sent), and its metrics (``train_loss``, ...), averaged over clients."""
+
+    uploads: list[tuple[Message, dict[str, torch.Tensor] | None]]
+    metrics: dict[str, float]
 
 
 class FLMethod:
@@ -281,7 +295,71 @@ class FLMethod:
         """Messages exchanged once before round 0 (captured as round 0, meta phase=setup)."""
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        """One round, in one process. A method written in roles (:meth:`client_round`, :meth:`server_round`,
+        :meth:`receive`) inherits this composition and runs on every engine; a method that overrides
+        ``run_round`` itself runs in-process only (``--engine flower`` refuses it, naming these hooks)."""
+        if not self.in_roles():
+            raise NotImplementedError(f"{type(self).__name__} must implement run_round, or client_round + server_round")
+        uploads: list[Message] = []
+        metrics: list[dict[str, float]] = []
+        for client in selected:
+            reply = self.client_round(rnd, client)
+            uploads += [self.send(msg, truth) for msg, truth in reply.uploads]
+            metrics.append(reply.metrics)
+        return {**mean_metrics(metrics), **self.server_round(rnd, uploads)}
+
+    # -------------------------------------------------------------- protocol, in roles
+    # A method written in these three hooks keeps client and server apart: client_round and receive run
+    # where the client lives (this process, or its Flower node), server_round where the server lives.
+    # Client-side code may use only its own client (env.clients holds just that client on a node);
+    # server-side code only what it was sent. State a client keeps between rounds beside its model
+    # goes through client_state / load_client_state.
+
+    @classmethod
+    def in_roles(cls) -> bool:
+        """Whether the method is written in roles (so it runs on the Flower engine as well): it has both
+        role hooks and keeps the composed :meth:`run_round` (a subclass that overrides ``run_round`` of a
+        method in roles is not, since its round is no longer the composition)."""
+        return cls.client_round is not FLMethod.client_round and cls.server_round is not FLMethod.server_round and cls.run_round is FLMethod.run_round
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side of a round: local training and the messages the client sends to the server."""
         raise NotImplementedError
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side of a round: what the selected clients sent (their delivered copies, in the order
+        of selection) -> the server's update, its messages to clients (:meth:`deliver`), its metrics."""
+        raise NotImplementedError
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: apply a message the server sent (e.g. load a broadcast model). Runs where the
+        client lives, before the client's next training or evaluation."""
+
+    def deliver(self, delivered: dict[str, Message]) -> None:
+        """Hand each receiver its copy of a server message (what :meth:`Channel.broadcast` returned):
+        applied now by :meth:`receive` in-process, queued for the client's node on Flower."""
+        if self.env.deliver is not None:
+            for name, msg in delivered.items():
+                self.env.deliver(name, msg)
+            return
+        by_name = {c.name: c for c in self.env.clients}
+        for name, msg in delivered.items():
+            self.receive(by_name[name], msg)
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        """What the client keeps between rounds beside its model's state dict (checkpoints; a Flower node's
+        state). Default: its personal parts (:attr:`personal`); extend it with the method's per-client tensors."""
+        return {f"personal/{part}/{k}": v for part, tensors in self.personal.get(client.name, {}).items() for k, v in tensors.items()}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`client_state` returned."""
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if key.startswith("personal/"):
+                part, name = key.removeprefix("personal/").split("/", 1)
+                kept.setdefault(part, {})[name] = value
+        if kept:
+            self.personal[client.name] = kept
 
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
         """Class scores of ``client`` as the method infers at the end of a round (``--eval global``)."""
@@ -374,16 +452,23 @@ class GlobalModelServer(FLMethod):
         self.broadcast(0, "setup")
 
     def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """Send the full global state dict to every client; each loads its delivered copy."""
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase})
-        for client in self.env.clients:
-            load_module_tensors(client.model, delivered[client.name].tensors)
+        """Send the full global state dict to every client; each loads its delivered copy (:meth:`receive`)."""
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        load_module_tensors(client.model, msg.tensors)
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return module_tensors(self.global_model)
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         load_module_tensors(self.global_model, state)
+
+
+def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of the clients' round metrics (a key some clients lack is averaged over those that have it)."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: sum(row[k] for row in rows if k in row) / sum(1 for row in rows if k in row) for k in keys}
 
 
 def class_prototypes(reps: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import Client, FLMethod, load_module_tensors, module_tensors
+from privfl.methods.base import Client, ClientReply, FLMethod, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 
@@ -47,9 +47,10 @@ class GlobalHeadServer(FLMethod):
         self.broadcast_head(0, phase="setup")
 
     def broadcast_head(self, rnd: int, phase: str = "train") -> None:
-        delivered = self.channel.broadcast(rnd, self.client_names(), "head", module_tensors(self.head), meta={"phase": phase})
-        for client in self.env.clients:
-            load_module_tensors(client.model.head, delivered[client.name].tensors)
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "head", module_tensors(self.head), meta={"phase": phase}))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        load_module_tensors(client.model.head, msg.tensors)
 
     def train_head(self, rnd: int, inputs: torch.Tensor, targets: torch.Tensor, *, lr: float, batch: int, epochs: int, loss_fn) -> float:
         """A few SGD epochs of the global head on server-side (input, target) pairs."""
@@ -80,13 +81,14 @@ class GlobalHeadServer(FLMethod):
     def head_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, targets)
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, losses = [], []
-        for client in selected:
-            losses.append(self.local_train(rnd, client))
-            received.append(self.send(*self.upload(rnd, client)))
-            self.env.knowledge.record_extractor(rnd, client)
-        inputs, targets = self.head_data(received)
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        loss = self.local_train(rnd, client)
+        msg, truth = self.upload(rnd, client)
+        self.env.knowledge.record_extractor(rnd, client)
+        return ClientReply([(msg, truth)], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        inputs, targets = self.head_data(uploads)
         o = self.opts
         server_loss = self.train_head(
             rnd,
@@ -98,7 +100,7 @@ class GlobalHeadServer(FLMethod):
             loss_fn=self.head_loss,
         )
         self.broadcast_head(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1), "server_loss": server_loss}
+        return {"server_loss": server_loss}
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return {f"head.{k}": v for k, v in module_tensors(self.head).items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client, FLMethod, GlobalModelServer, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, module_tensors
 
 
 @METHODS.register("local")
@@ -16,9 +16,11 @@ class Local(FLMethod):
     sends = {}
     paper = "local training baseline"
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        losses = [self.local_train(rnd, client) for client in selected]
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        return ClientReply([], {"train_loss": self.local_train(rnd, client)})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        return {}
 
 
 @METHODS.register("fedavg")
@@ -32,17 +34,17 @@ class FedAvg(GlobalModelServer):
     requires_homogeneous = True
     paper = "McMahan et al., FedAvg, AISTATS 2017"
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        loss = self.local_train(rnd, client)
+        msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), {"arch": client.arch, "num_samples": len(client.train_idx)})
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Average the uploads weighted by ``num_samples`` (in float64), then broadcast."""
         total_weight = 0.0
         acc: dict[str, torch.Tensor] = {}
-        losses = []
-        for client in selected:
-            losses.append(self.local_train(rnd, client))
-            msg = Message(
-                rnd, client.name, "server", "model", module_tensors(client.model), {"arch": client.arch, "num_samples": len(client.train_idx)}
-            )
-            received = self.send(msg, {"indices": client.train_idx.cpu()})
-            w = float(len(client.train_idx))
+        for received in uploads:
+            w = float(received.meta["num_samples"])
             total_weight += w
             for k, v in received.tensors.items():
                 v = v.to(self.env.device, torch.float64) * w
@@ -54,4 +56,4 @@ class FedAvg(GlobalModelServer):
             averaged[k] = mean.round().to(reference[k].dtype) if not reference[k].is_floating_point() else mean.to(reference[k].dtype)
         self.global_model.load_state_dict(averaged)
         self.broadcast(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        return {}

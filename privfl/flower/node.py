@@ -1,0 +1,190 @@
+"""The client side of a privfl run on Flower: one ClientApp, the same for every method written in roles.
+
+A node learns which client it is from its ``partition-id`` (``--node-config`` in deployment; Flower's
+simulation numbers its virtual nodes 0..N-1), receives the run's config and its own train/test indices
+once (``query.privfl_setup``), and from then on answers two message types:
+
+- ``train``: apply the server's pending messages (:meth:`FLMethod.receive`, in the order sent), run the
+  method's :meth:`~privfl.methods.FLMethod.client_round`, reply with its uploads (records of
+  :mod:`privfl.flower.records`), the ground truth behind them and any knowledge records;
+- ``evaluate``: apply pending messages, score the client (:func:`privfl.engine.client_hits`) under the
+  asked protocols, reply with the counts.
+
+Everything the client keeps between messages (its model's state dict, :meth:`FLMethod.client_state`, the
+config and indices) lives in the node's ``context.state``, which Flower keeps per node, so any worker
+may serve any node. The method object is rebuilt for each message (cheap next to a round of training);
+the dataset is loaded once per worker process. A node never writes the run's files: the server does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any
+
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from privfl.errors import PrivflError
+from privfl.flower.records import get_json, get_messages, get_tensors, put_json, put_messages, put_numbers, tensors_record
+
+SETUP = "query.privfl_setup"
+HELLO = "query.privfl_hello"
+
+
+class NodeChannel:
+    """The channel a method sees on a node: client-side code hands its messages back in a
+    :class:`~privfl.methods.ClientReply`; sending from a node would bypass the server's capture."""
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        raise PrivflError("a method written in roles sends from client_round by returning ClientReply(uploads=...), not through the channel")
+
+    broadcast = send
+
+
+class CollectingStore:
+    """Stands in for the knowledge store on a node: keeps what the method records, for the reply."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
+
+    def append(self, record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.items.append((dict(record), {k: v.detach().cpu().clone() for k, v in tensors.items()}))
+
+
+@lru_cache(maxsize=2)
+def _data(dataset: str, data_root: str | None, download: bool, subsample: int | None, seed: int, device: str) -> tuple[Any, Any]:
+    """(DataView, dataset) of a run's config, loaded once per worker process."""
+    from privfl.data import load_dataset
+    from privfl.engine import subsample_of
+    from privfl.methods import DataView
+
+    ds = load_dataset(dataset, data_root, download)
+    images, labels, _ = subsample_of(ds, subsample, seed)
+    return DataView(images, labels, ds.mean, ds.std, torch.device(device)), ds
+
+
+class ClientNode:
+    """One client of a run, rebuilt on its node from ``context.state``."""
+
+    def __init__(self, context: Context):
+        from privfl.config import build_config
+        from privfl.engine import resolve_device
+        from privfl.methods import Client, FLEnv, KnowledgeRecorder, ModelRequest, resolve_method
+        from privfl.methods.trainer import LocalTrainer
+        from privfl.models import assign_archs
+        from privfl.seeding import seed_global
+
+        state = context.state
+        if "privfl.setup" not in state:
+            raise PrivflError("this Flower node has not been set up by a privfl ServerApp (no query.privfl_setup received)")
+        setup = get_json(state, "privfl.setup")
+        self.method_cls = resolve_method(setup["config"]["method"])
+        cfg = build_config(setup["config"], self.method_cls.Options)
+        torch.set_num_threads(max(1, int(setup["threads"])))
+        self.cfg, self.index = cfg, int(setup["index"])
+        self.device = resolve_device(cfg.device)
+        self.data, ds = _data(cfg.dataset, cfg.data_root, cfg.download, cfg.subsample, cfg.seed, str(self.device))
+        idx = get_tensors(state, "privfl.indices", self.device)
+        arch = assign_archs(cfg.model_group, cfg.num_clients)[self.index]
+        opts = self.method_cls.Options(**cfg.options)
+        seed_global(cfg.seed, "init", f"arch:{arch}" if cfg.same_init else self.index)
+        request = ModelRequest(arch, self.index, ds.channels, ds.num_classes, ds.image_size, cfg, opts)
+        model = self.method_cls.build_client_model(request).to(self.device)
+        self.client = Client(self.index, arch, model, idx["train"], idx["test"])
+        self.union = idx.get("global_test")
+        self.knowledge = CollectingStore()
+        recorder = KnowledgeRecorder(self.knowledge, cfg.rounds - 1, cfg.knowledge_every, frozenset(setup["knowledge_rounds"]))
+        topology = self.method_cls.build_topology(cfg, opts)
+        env = FLEnv(cfg, opts, [self.client], self.data, ds.num_classes, self.device, NodeChannel(), recorder, topology, LocalTrainer(cfg, self.data))
+        self.method = self.method_cls(env)
+        if "privfl.model" in state:
+            model.load_state_dict(get_tensors(state, "privfl.model", self.device))
+            self.method.load_client_state(self.client, get_tensors(state, "privfl.client", self.device))
+
+    def apply_inbox(self, content: RecordDict) -> None:
+        for msg in get_messages(content, "in", self.device):
+            if msg.receiver != self.client.name:
+                raise PrivflError(f"{self.client.name} was handed a message for {msg.receiver}")
+            self.method.receive(self.client, msg)
+
+    def save(self, context: Context) -> None:
+        context.state["privfl.model"] = tensors_record(self.client.model.state_dict())
+        context.state["privfl.client"] = tensors_record(self.method.client_state(self.client))
+
+
+def _hello(msg: Message, context: Context) -> Message:
+    pid = context.node_config.get("partition-id")
+    if pid is None:
+        raise PrivflError("this Flower node has no partition-id in its node config (start it with --node-config 'partition-id=K')")
+    content = RecordDict()
+    put_json(content, "privfl.hello", int(pid))
+    return Message(content, reply_to=msg)
+
+
+def _setup(msg: Message, context: Context) -> Message:
+    for key in ("privfl.setup", "privfl.indices"):
+        context.state[key] = msg.content[key]
+    for key in ("privfl.model", "privfl.client"):  # a node reused for a new run starts clean
+        if key in context.state:
+            del context.state[key]
+    return Message(RecordDict(), reply_to=msg)
+
+
+def _train(msg: Message, context: Context) -> Message:
+    node = ClientNode(context)
+    node.apply_inbox(msg.content)
+    rnd = int(get_json(msg.content, "privfl.round"))
+    reply = node.method.client_round(rnd, node.client)
+    content = RecordDict()
+    put_messages(content, "up", [m for m, _ in reply.uploads])
+    for i, (_, truth) in enumerate(reply.uploads):
+        if truth is not None:
+            content[f"truth.{i}"] = tensors_record(truth)
+    for i, (record, tensors) in enumerate(node.knowledge.items):
+        put_json(content, f"knowledge.{i}.head", record)
+        content[f"knowledge.{i}.tensors"] = tensors_record(tensors)
+    put_numbers(content, "privfl.metrics", reply.metrics)
+    put_json(content, "privfl.knowledge", len(node.knowledge.items))
+    node.save(context)
+    return Message(content, reply_to=msg)
+
+
+def _evaluate(msg: Message, context: Context) -> Message:
+    from privfl.engine import client_hits
+
+    node = ClientNode(context)
+    node.apply_inbox(msg.content)
+    out = RecordDict()
+    for flag in get_json(msg.content, "privfl.eval"):
+        correct, total, global_hits = client_hits(
+            node.method, node.client, node.data, node.cfg.eval_batch_size, personal=bool(flag), union=node.union
+        )
+        put_json(out, f"hits.{int(bool(flag))}", [correct, total, global_hits])
+    node.save(context)
+    return Message(out, reply_to=msg)
+
+
+def build_client_app() -> ClientApp:
+    """The privfl ClientApp (the same object for every method and run; mods added by the engine)."""
+    app = ClientApp()
+    app.query("privfl_hello")(_hello)
+    app.query("privfl_setup")(_setup)
+    app.train()(_train)
+    app.evaluate()(_evaluate)
+    return app
+
+
+#: what ``flwr run`` / a SuperNode loads (``privfl.flower.node:app``)
+app = build_client_app()
+
+
+def indices_record(train: torch.Tensor, test: torch.Tensor, global_test: torch.Tensor | None) -> Any:
+    tensors = OrderedDict([("train", train), ("test", test)])
+    if global_test is not None:
+        tensors["global_test"] = global_test
+    return tensors_record(tensors)
+
+
+__all__ = ["ClientNode", "app", "build_client_app", "indices_record"]

@@ -1,0 +1,183 @@
+"""The Flower engine's server: a ServerApp with a hand-driven round loop, and the run it writes.
+
+:class:`FlowerTrainer` is the in-process :class:`~privfl.engine.Trainer` with the clients moved out: the
+run folder, partition, the three stores (capture / knowledge / ground truth), metrics, summary and
+checkpoint are written by the same code, and the method's server role (:meth:`FLMethod.server_round`,
+:meth:`FLMethod.setup`) runs here, in the ServerApp. Each client is a Flower node running
+:mod:`privfl.flower.node`. Per round:
+
+1. ``train`` to each selected client's node, carrying the server messages queued for it (a message the
+   server sends is captured when it is sent, as in-process, and handed to the node with its next message);
+2. the replies' uploads go through the run's :class:`~privfl.channel.Channel` in the order of selection
+   (so the capture, its sequence numbers and the ground-truth store are the in-process engine's), then
+   to :meth:`FLMethod.server_round`;
+3. ``evaluate`` to every node (each first applies its queued messages), and the accuracy entries are
+   assembled from the counts by the in-process engine's own :func:`~privfl.engine.accuracy_metrics`.
+
+Every random draw of a client is seeded from (seed, purpose, round, client), so a run gives the
+in-process numbers; see ``docs/scale.md`` for what is and is not bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from privfl.capture.message import Message as PrivflMessage
+from privfl.engine import Trainer, parse_rounds
+from privfl.errors import PrivflError
+from privfl.flower.node import HELLO, SETUP, build_client_app, indices_record
+from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages
+from privfl.methods import Client
+from privfl.methods.base import mean_metrics
+
+
+class FlowerTrainer(Trainer):
+    """A run whose clients are Flower nodes (``--engine flower``)."""
+
+    def __init__(self, cfg: Any, run_dir: Path, **kwargs: Any):
+        super().__init__(cfg, run_dir, **kwargs)
+        self.outbox: dict[str, list[PrivflMessage]] = {c.name: [] for c in self.clients}
+        self.method.env.deliver = self._queue
+        self.grid: Grid | None = None
+        self.node_of: dict[int, int] = {}
+
+    def _queue(self, name: str, msg: PrivflMessage) -> None:
+        self.outbox[name].append(msg)
+
+    # ------------------------------------------------------------------ Flower plumbing
+    def run(self) -> dict[str, Any]:
+        from flwr.simulation import run_simulation
+
+        result: dict[str, Any] = {}
+        server = ServerApp()
+
+        @server.main()
+        def main(grid: Grid, context: Context) -> None:
+            self.grid = grid
+            self._connect()
+            result["summary"] = Trainer.run(self)
+
+        cfg = self.cfg
+        backend = {
+            "client_resources": {"num_cpus": cfg.flower_client_cpus, "num_gpus": cfg.flower_client_gpus},
+            "init_args": {"num_cpus": os.cpu_count() or 1, "logging_level": logging.ERROR, "log_to_driver": False},
+        }
+        run_simulation(server, build_client_app(), num_supernodes=cfg.num_clients, backend_config=backend)  # type: ignore[arg-type]
+        if "summary" not in result:
+            raise PrivflError("the Flower simulation ended before the run finished (see Flower's log above)")
+        return result["summary"]
+
+    def _exchange(self, messages: list[Message]) -> dict[int, RecordDict]:
+        """Send, wait for every reply; node id -> reply content. A node's failure is one line."""
+        assert self.grid is not None
+        replies = list(self.grid.send_and_receive(messages))
+        by_node: dict[int, RecordDict] = {}
+        client_of = {node: k for k, node in self.node_of.items()}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                reason = [line.strip() for line in str(reply.error.reason).splitlines() if line.strip()]
+                who = f"client{client_of[node]}" if node in client_of else f"node {node}"
+                raise PrivflError(f"Flower {who} failed: {(reason[-1] if reason else 'no reason given')[:300]}")
+            by_node[node] = reply.content
+        missing = {m.metadata.dst_node_id for m in messages} - set(by_node)
+        if missing:
+            raise PrivflError(f"{len(missing)} Flower node(s) did not reply")
+        return by_node
+
+    def _connect(self) -> None:
+        """Map each node to its client (``partition-id``), then give each its config and data indices."""
+        assert self.grid is not None
+        nodes = self._wait_for_nodes()
+        hello = self._exchange([Message(RecordDict(), dst_node_id=n, message_type=HELLO) for n in nodes])
+        self.node_of = {int(get_json(hello[n], "privfl.hello")): n for n in nodes}
+        wanted = set(range(self.cfg.num_clients))
+        if set(self.node_of) != wanted:
+            raise PrivflError(f"the Flower nodes' partition-ids are {sorted(self.node_of)}, expected 0..{self.cfg.num_clients - 1}")
+        config = dataclasses.asdict(self.cfg)
+        knowledge_rounds = sorted(parse_rounds(self.cfg.knowledge_rounds, self.cfg.rounds))
+        threads = max(1, int(self.cfg.flower_client_cpus))
+        union = self.global_test_idx
+        setup = []
+        for c in self.clients:
+            content = RecordDict()
+            put_json(content, "privfl.setup", {"config": config, "index": c.index, "threads": threads, "knowledge_rounds": knowledge_rounds})
+            content["privfl.indices"] = indices_record(c.train_idx, c.test_idx, union)
+            setup.append(Message(content, dst_node_id=self.node_of[c.index], message_type=SETUP))
+        self._exchange(setup)
+
+    def _wait_for_nodes(self, timeout: float = 300.0) -> list[int]:
+        """The node ids, once every client's node has connected (nodes register with the SuperLink a
+        little after the ServerApp starts)."""
+        assert self.grid is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= self.cfg.num_clients:
+                return nodes
+            if time.monotonic() > deadline:
+                raise PrivflError(f"only {len(nodes)} of {self.cfg.num_clients} Flower nodes connected within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def _with_inbox(self, client: Client, content: RecordDict) -> RecordDict:
+        """``content`` plus the server messages queued for ``client`` (the queue is emptied)."""
+        put_messages(content, "in", self.outbox[client.name])
+        self.outbox[client.name] = []
+        return content
+
+    # ------------------------------------------------------------------ the round, server side
+    def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        messages = []
+        for c in selected:
+            content = RecordDict()
+            put_json(content, "privfl.round", rnd)
+            self._with_inbox(c, content)
+            messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type="train", group_id=str(rnd)))
+        replies = self._exchange(messages)
+        uploads: list[PrivflMessage] = []
+        metrics = []
+        for c in selected:  # in the order of selection, as the in-process engine sends them
+            content = replies[self.node_of[c.index]]
+            for i, msg in enumerate(get_messages(content, "up", self.device)):
+                if msg.sender != c.name or msg.receiver != "server":
+                    raise PrivflError(f"{c.name}'s node replied with a message from {msg.sender} to {msg.receiver}")
+                truth = get_tensors(content, f"truth.{i}") if f"truth.{i}" in content else None
+                uploads.append(self.channel.send(msg, truth=truth))
+            for i in range(int(get_json(content, "privfl.knowledge"))):
+                if self.knowledge_store is not None:
+                    self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
+            metrics.append(get_numbers(content, "privfl.metrics"))
+        return {**mean_metrics(metrics), **self.method.server_round(rnd, uploads)}
+
+    def collect_hits(self, flags: tuple[bool, ...]) -> dict[bool, list[tuple[int, int, int | None]]]:
+        messages = []
+        for c in self.clients:
+            content = RecordDict()
+            put_json(content, "privfl.eval", [int(f) for f in flags])
+            self._with_inbox(c, content)
+            messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type="evaluate"))
+        replies = self._exchange(messages)
+        out: dict[bool, list[tuple[int, int, int | None]]] = {}
+        for flag in flags:
+            rows = []
+            for c in self.clients:
+                correct, total, global_hits = get_json(replies[self.node_of[c.index]], f"hits.{int(flag)}")
+                rows.append((int(correct), int(total), None if global_hits is None else int(global_hits)))
+            out[flag] = rows
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The server's state only: the clients' models and state live on their nodes."""
+        return {f"method.{k}": v for k, v in self.method.server_state().items()}
+
+
+__all__ = ["FlowerTrainer"]

@@ -1,0 +1,111 @@
+"""The Flower engine: the same run as in-process, bit for bit, through Flower's simulation.
+
+A run with ``--engine flower`` must be indistinguishable from the in-process one for verify, attacks and
+the audit: the tests compare the capture, ground-truth and knowledge stores file by file and the metrics
+entry by entry (wall time aside). The simulation tests need the ``flower`` extra (CI installs it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from privfl.capture.message import Message
+from privfl.errors import ConfigError
+from privfl.methods import METHODS
+from privfl.train import main as train_main
+
+TINY = ["--subsample", "600", "--partition", "dir", "--alpha", "0.5", "--rounds", "2", "--num-clients", "3", "--batch-size", "32"]
+TINY += ["--lr", "0.05", "--device", "cpu", "--no-progress"]
+
+
+def test_methods_in_roles_are_declared_by_their_hooks() -> None:
+    """A method in roles keeps the composed run_round; a subclass that overrides run_round is not in roles."""
+    assert all(METHODS.get(m).in_roles() for m in ("local", "fedavg", "fedre", "fedallrep"))
+    assert not METHODS.get("fedala").in_roles()  # FedAvg's subclass with its own run_round
+    assert not METHODS.get("drdfl").in_roles()
+
+
+def test_records_round_trip_exactly() -> None:
+    pytest.importorskip("flwr")
+    from flwr.app import RecordDict
+
+    from privfl.flower.records import get_messages, put_messages
+
+    tensors = {
+        "w": torch.randn(3, 4),
+        "half": torch.randn(5).half(),
+        "ids": torch.arange(7, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+    msgs = [Message(4, "client2", "server", "ent_rep", tensors, {"arch": "cnn4", "nested": {"a": [1, 2]}}, ("ids",))]
+    content = RecordDict()
+    put_messages(content, "up", msgs)
+    (back,) = get_messages(content, "up")
+    assert (back.round, back.sender, back.receiver, back.kind, back.meta, back.aux) == (4, "client2", "server", "ent_rep", msgs[0].meta, ("ids",))
+    assert list(back.tensors) == list(tensors)
+    for k, t in tensors.items():
+        assert back.tensors[k].dtype == t.dtype and back.tensors[k].shape == t.shape and torch.equal(back.tensors[k], t)
+
+
+def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "runs"
+    common = [*TINY, "--engine", "flower", "--out-dir", str(out)]
+    with pytest.raises(ConfigError, match="written in roles"):
+        train_main(["fedproto", *common])
+    with pytest.raises(ConfigError, match="--defense is not supported with --engine flower"):
+        train_main(["fedavg", "--model-group", "homo-cnn4", "--defense", "gaussian:std=0.01", *common])
+    monkeypatch.setitem(sys.modules, "flwr", None)  # as if the extra were not installed
+    with pytest.raises(ConfigError, match="uv sync --extra flower"):
+        train_main(["fedavg", "--model-group", "homo-cnn4", *common])
+    assert not out.exists()
+
+
+def test_cli_exit_status_without_flower_is_2(tmp_path: Path) -> None:
+    code = "import sys; sys.modules['flwr'] = None; from privfl.cli import run_cli; from privfl.train import main; sys.exit(run_cli('privfl.train', main))"
+    argv = ["fedavg", *TINY, "--model-group", "homo-cnn4", "--engine", "flower", "--out-dir", str(tmp_path / "r")]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "uv sync --extra flower" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("seconds")
+    return rows
+
+
+@pytest.mark.parametrize(("method", "extra"), [("fedavg", ["--model-group", "homo-cnn4"]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])])
+def test_flower_simulation_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
+    """Same seed, same numbers: accuracy per round, and the capture, truth and knowledge stores byte for byte."""
+    pytest.importorskip("flwr")
+    torch.set_num_threads(1)  # the nodes train on one thread each (--flower-client-cpus 1)
+    out = tmp_path / "runs"
+    for engine in ("inprocess", "flower"):
+        assert train_main([method, *TINY, *extra, "--engine", engine, "--out-dir", str(out), "--run-name", engine]) == 0
+    a, b = out / "inprocess", out / "flower"
+    assert _metrics(a) == _metrics(b)
+    for store in ("capture", "truth", "knowledge"):
+        _same_tree(a / store, b / store)
+    assert json.loads((b / "run.json").read_text())["engine"] == "flower"
+    assert json.loads((b / "config.json").read_text())["engine"] == "flower"
+    from privfl.verify import verify_run
+
+    assert verify_run(b).ok
+    with pytest.raises(ConfigError, match="cannot be resumed yet"):
+        train_main(["--resume", "--run", str(b)])
