@@ -298,8 +298,9 @@ class FLMethod:
         """One round, in one process. A method written in roles (:meth:`client_round`, :meth:`server_round`,
         :meth:`receive`) inherits this composition and runs on every engine; a method that overrides
         ``run_round`` itself runs in-process only (``--engine flower`` refuses it, naming these hooks)."""
-        if not self.in_roles():
-            raise NotImplementedError(f"{type(self).__name__} must implement run_round, or client_round + server_round")
+        cls = type(self)
+        if cls.client_round is FLMethod.client_round or cls.server_round is FLMethod.server_round:  # (a subclass may extend this round)
+            raise NotImplementedError(f"{cls.__name__} must implement run_round, or client_round + server_round")
         uploads: list[Message] = []
         metrics: list[dict[str, float]] = []
         for client in selected:
