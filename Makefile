@@ -43,3 +43,4 @@ test: setup lint
 bench: setup
 	$(PY) experiments/bench_capture.py
 	$(PY) experiments/bench_inversion_batching.py
+	$(PY) experiments/bench_flower.py
