@@ -62,7 +62,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, GlobalModelServer, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
 from privfl.methods.fedprox import average_states
 
 #: the module types whose parameters and buffers FedBN keeps local
@@ -144,26 +144,26 @@ class FedBN(GlobalModelServer):
         self.local_names = bn_tensor_names(self.global_model)
 
     def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """The averaged non-BN tensors to every client; each overwrites those and keeps its BN layers."""
+        """The averaged non-BN tensors to every client (each applies them in :meth:`receive`)."""
         tensors = shared_state(self.global_model, self.local_names)
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", tensors, meta={"phase": phase})
-        for client in self.env.clients:
-            load_shared_state(client.model, delivered[client.name].tensors, self.local_names)
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", tensors, meta={"phase": phase}))
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received: list[Message] = []
-        losses = []
-        for client in selected:
-            stats = self.fit(rnd, client)  # plain CE on the whole model, BN included
-            losses.append(stats.loss)
-            meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
-            msg = Message(rnd, client.name, "server", "model", shared_state(client.model, self.local_names), meta)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
+    def receive(self, client: Client, msg: Message) -> None:
+        """Overwrite the non-BN tensors; the client keeps its BN layers."""
+        load_shared_state(client.model, msg.tensors, self.local_names)
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        stats = self.fit(rnd, client)  # plain CE on the whole model, BN included
+        meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
+        msg = Message(rnd, client.name, "server", "model", shared_state(client.model, self.local_names), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": stats.loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
         # the server uses what it received (after defenses), nothing else; its own BN layers are never used
-        averaged = average_states(received, self.global_model.state_dict(), self.opts.weighting)
+        averaged = average_states(uploads, self.global_model.state_dict(), self.opts.weighting)
         load_shared_state(self.global_model, averaged, self.local_names)
         self.broadcast(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        return {}
 
 
 __all__ = ["BN_TYPES", "FedBN", "FedBNOptions", "bn_tensor_names", "load_shared_state", "shared_state"]

@@ -22,7 +22,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, GlobalModelServer, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, module_tensors
 
 
 def local_steps(num_samples: int, batch_size: int, local_epochs: int) -> int:
@@ -76,15 +76,14 @@ class FedNova(GlobalModelServer):
         meta = {"arch": client.arch, "tau": tau, "a": a, "lr": self.cfg.lr, "momentum": self.cfg.momentum, "num_samples": n}
         return Message(rnd, client.name, "server", "update", tensors, meta), loss
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, losses = [], []
-        for client in selected:
-            msg, loss = self.client_update(rnd, client)
-            losses.append(loss)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
-        self.aggregate(received)
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        msg, loss = self.client_update(rnd, client)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        self.aggregate(uploads)
         self.broadcast(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        return {}
 
     @torch.no_grad()
     def aggregate(self, received: list[Message]) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, GlobalModelServer
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer
 from privfl.seeding import seed_global, torch_generator
 
 
@@ -70,17 +70,17 @@ class FedSGD(GlobalModelServer):
                 v.copy_(buffers[k])
         return grads, float(loss.item()), idx, y
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        grads, loss, idx, y = self.client_gradient(rnd, client)
+        meta = {"arch": client.arch, "batch_size": len(idx), "num_samples": len(client.train_idx)}
+        msg = Message(rnd, client.name, "server", "grad", grads, meta)
+        return ClientReply([(msg, {"indices": idx.cpu(), "labels": y.cpu()})], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """One SGD step of the global model on the batch-size-weighted mean gradient, then the broadcast."""
         acc: dict[str, torch.Tensor] = {}
-        total, losses = 0.0, []
-        for client in selected:
-            grads, loss, idx, y = self.client_gradient(rnd, client)
-            losses.append(loss)
-            meta = {"arch": client.arch, "batch_size": len(idx), "num_samples": len(client.train_idx)}
-            received = self.send(
-                Message(rnd, client.name, "server", "grad", grads, meta),
-                {"indices": idx.cpu(), "labels": y.cpu()},
-            )
+        total = 0.0
+        for received in uploads:
             w = float(received.meta["batch_size"])
             total += w
             for k, g in received.tensors.items():
@@ -92,4 +92,4 @@ class FedSGD(GlobalModelServer):
                 if k in acc:
                     p.copy_((p.double() - lr * acc[k] / total).to(p.dtype))
         self.broadcast(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        return {}

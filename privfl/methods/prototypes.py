@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, class_prototypes
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes
 from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 
 
@@ -110,23 +110,27 @@ class FedProto(FLMethod):
         # what each client last received: global prototypes (C, d) and which of them exist (C,)
         self.received = {cl.name: (torch.zeros(c, d, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Local CE + lambda * MSE to the global prototypes this client last received, then its prototypes."""
+        protos, known = self.received[client.name]
+
+        def proto_term(reps, logits, y):
+            mask = known[y]
+            if not mask.any():
+                return reps.new_zeros(())
+            return self.opts.lamda * F.mse_loss(reps[mask], protos[y[mask]])
+
+        loss = self.local_train(rnd, client, proto_term)
+        msg, truth = prototype_message(self, rnd, client)
+        self.env.knowledge.record_extractor(rnd, client)
+        return ClientReply([(msg, truth)], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Global prototypes: per class, the (sample- or uniformly) weighted mean of the received ones."""
         c, d = self.env.num_classes, self.cfg.rep_dim
         sums = torch.zeros(c, d, device=self.env.device)
         weights = torch.zeros(c, device=self.env.device)
-        losses = []
-        for client in selected:
-            protos, known = self.received[client.name]
-
-            def proto_term(reps, logits, y, protos=protos, known=known):
-                mask = known[y]
-                if not mask.any():
-                    return reps.new_zeros(())
-                return self.opts.lamda * F.mse_loss(reps[mask], protos[y[mask]])
-
-            losses.append(self.local_train(rnd, client, proto_term))
-            received = self.send(*prototype_message(self, rnd, client))
-            self.env.knowledge.record_extractor(rnd, client)
+        for received in uploads:
             cls = received.tensors["classes"].to(self.env.device)
             w = (
                 received.tensors["counts"].to(self.env.device).float()
@@ -137,13 +141,25 @@ class FedProto(FLMethod):
             weights.index_add_(0, cls, w)
         present = torch.nonzero(weights, as_tuple=False).flatten()
         global_protos = sums[present] / weights[present].unsqueeze(1)  # (m, d)
-        delivered = self.channel.broadcast(rnd, self.client_names(), "global_proto", {"protos": global_protos, "classes": present}, aux=("classes",))
-        for name, msg in delivered.items():
-            protos, known = self.received[name]
-            cls = msg.tensors["classes"].to(self.env.device)
-            protos[cls] = msg.tensors["protos"].to(self.env.device)
-            known[cls] = True
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        tensors = {"protos": global_protos, "classes": present}
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "global_proto", tensors, aux=("classes",)))
+        return {}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        protos, known = self.received[client.name]
+        cls = msg.tensors["classes"].to(self.env.device)
+        protos[cls] = msg.tensors["protos"].to(self.env.device)
+        known[cls] = True
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        protos, known = self.received[client.name]
+        return {**super().client_state(client), "received.protos": protos, "received.known": known}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        protos, known = self.received[client.name]
+        protos.copy_(state["received.protos"])
+        known.copy_(state["received.known"])
 
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
         """Nearest received global prototype (L2), as FedProto infers; the local head until any arrive."""

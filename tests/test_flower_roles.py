@@ -1,0 +1,40 @@
+"""Every built-in method written in roles gives on Flower the run it gives in-process (byte for byte).
+
+One Flower simulation per method (tens of seconds each, mostly Ray's start-up): marked slow, run by
+``pytest -m slow``; the default suite checks FedAvg and FedRE (tests/test_flower.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_flower import assert_flower_equals_inprocess
+
+HOMO = ["--model-group", "homo-cnn4"]
+HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [
+        ("local", HETE),
+        ("fedallrep", HETE),
+        ("fedgh", HETE),
+        ("fedproto", HETE),
+        ("fednova", HOMO),
+        ("fedsgd", HOMO),
+        ("fedbn", ["--model-group", "homo-resnet-tiny"]),
+    ],
+)
+def test_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
+    assert_flower_equals_inprocess(tmp_path, method, extra)
+
+
+def test_every_method_in_roles_is_covered() -> None:
+    """A method newly written in roles must be added above (or to tests/test_flower.py)."""
+    from privfl.methods import METHODS
+
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fednova", "fedsgd", "fedbn"}
+    assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered
