@@ -67,9 +67,12 @@ def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeyp
 
 
 def test_cli_exit_status_without_flower_is_2(tmp_path: Path) -> None:
-    code = "import sys; sys.modules['flwr'] = None; from privfl.cli import run_cli; from privfl.train import main; sys.exit(run_cli('privfl.train', main))"
+    code = (
+        "import sys; sys.modules['flwr'] = None; from privfl.cli import run_cli; from privfl.train import main; "
+        "sys.exit(run_cli('privfl.train', main))"
+    )
     argv = ["fedavg", *TINY, "--model-group", "homo-cnn4", "--engine", "flower", "--out-dir", str(tmp_path / "r")]
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, *argv], check=False, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "uv sync --extra flower" in proc.stderr
     assert not (tmp_path / "r").exists()
@@ -109,7 +112,7 @@ def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]
     assert verify_run(b).ok
 
 
-@pytest.mark.parametrize(("method", "extra"), [("fedavg", ["--model-group", "homo-cnn4"]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])])
+@pytest.mark.parametrize("method, extra", [("fedavg", ["--model-group", "homo-cnn4"]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])])
 def test_flower_simulation_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
     """Same seed, same numbers: accuracy per round, and the capture, truth and knowledge stores byte for byte."""
     assert_flower_equals_inprocess(tmp_path, method, extra)

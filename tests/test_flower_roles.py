@@ -17,7 +17,7 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("method", "extra"),
+    "method, extra",
     [
         ("local", HETE),
         ("fedallrep", HETE),
