@@ -41,11 +41,13 @@ def fmnist() -> Path:
 
 @pytest.fixture
 def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[dict]]:
-    """``check(argv, kill_round, kill_after)``: train ``argv`` (``privfl.train`` arguments) to the end; train
-    it again killed right after message ``kill_after`` of round ``kill_round``; resume the killed run with
-    ``--resume``; assert identical metrics and identical capture, knowledge and truth stores. Returns the
-    capture records. Every part runs in its own one-thread process, so float reductions agree bit for bit
-    (two threads in one process and one in another differ at 1e-8)."""
+    """``check(argv, kill_round, kill_after, real_kill=False)``: train ``argv`` (``privfl.train`` arguments) to
+    the end; train it again stopped right after message ``kill_after`` of round ``kill_round``; resume the
+    stopped run with ``--resume``; assert identical metrics and identical capture, knowledge and truth
+    stores. Returns the capture records. ``real_kill``: every part in its own one-thread process and the
+    stop an ``os._exit(137)`` (no cleanup, as SIGKILL), as tests/test_train.py checks once; otherwise the
+    three parts run in this (one-thread) process and the stop is an exception at the same point, which
+    costs no torch imports. Either way all parts compute on one thread, so float reductions agree bit for bit."""
     from privfl.capture import TensorStore
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -54,13 +56,27 @@ def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[d
         done = subprocess.run([sys.executable, *cmd], check=False, env=env, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == expect, done.stderr[-3000:]
 
-    def check(argv: list[str], kill_round: int, kill_after: int) -> list[dict]:
+    def check(argv: list[str], kill_round: int, kill_after: int, real_kill: bool = False) -> list[dict]:
         out = ["--out-dir", str(tmp_path), "--no-progress"]
-        run(["-m", "privfl.train", *argv, *out, "--run-name", "full"])
-        run(["-m", "tests.killer", str(kill_round), str(kill_after), *argv, *out, "--run-name", "killed"], expect=137)
         full, killed = tmp_path / "full", tmp_path / "killed"
+        if real_kill:
+            run(["-m", "privfl.train", *argv, *out, "--run-name", "full"])
+            run(["-m", "tests.killer", str(kill_round), str(kill_after), *argv, *out, "--run-name", "killed"], expect=137)
+        else:
+            import torch
+
+            from privfl.train import main
+            from tests.killer import InterruptAfter, Interrupted
+
+            torch.set_num_threads(1)
+            assert main([*argv, *out, "--run-name", "full"]) == 0
+            with pytest.raises(Interrupted):
+                main([*argv, *out, "--run-name", "killed"], callbacks=[InterruptAfter(kill_round, kill_after)])
         assert len(read_metrics(killed)) == kill_round  # it died inside round kill_round
-        run(["-m", "privfl.train", "--resume", str(killed), "--no-progress"])
+        if real_kill:
+            run(["-m", "privfl.train", "--resume", str(killed), "--no-progress"])
+        else:
+            assert main(["--resume", str(killed), "--no-progress"]) == 0
         from privfl.verify import verify_run
 
         report = verify_run(killed)

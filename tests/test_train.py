@@ -144,7 +144,7 @@ def test_fedavg_averages_by_sample_count(tmp_path):
 
 
 def test_killed_run_resumes_to_identical_metrics_and_capture(assert_resumes_exactly):
-    assert_resumes_exactly(["fedre", *QUICK, "--rounds", "3"], kill_round=1, kill_after=7)
+    assert_resumes_exactly(["fedre", *QUICK, "--rounds", "3"], kill_round=1, kill_after=7, real_kill=True)
 
 
 @needs_fmnist
