@@ -23,6 +23,9 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
         ("fedallrep", HETE),
         ("fedgh", HETE),
         ("fedproto", HETE),
+        ("fedtgp", HETE),
+        ("fpl", HETE),
+        ("lgfedavg", HETE),
         ("fednova", HOMO),
         ("fedsgd", HOMO),
         ("fedbn", ["--model-group", "homo-resnet-tiny"]),
@@ -36,5 +39,5 @@ def test_every_method_in_roles_is_covered() -> None:
     """A method newly written in roles must be added above (or to tests/test_flower.py)."""
     from privfl.methods import METHODS
 
-    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fednova", "fedsgd", "fedbn"}
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn"}
     assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered

@@ -58,9 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod
-from privfl.methods.prototypes import train_and_upload_prototypes
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod
+from privfl.methods.prototypes import prototype_round, stacked_prototypes
 from privfl.seeding import seed_global, torch_generator
 
 
@@ -172,37 +173,45 @@ class FedTGP(FLMethod):
 
         return loss
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        out, p, y = train_and_upload_prototypes(self, rnd, selected, self.objective)
-        if p is not None and y is not None:
-            margin = adaptive_margin(p, y, self.opts.margin_threshold)
-            server_losses = train_generator(
-                self.generator,
-                p,
-                y,
-                margin,
-                epochs=self.opts.server_epochs,
-                batch_size=self.opts.server_batch_size,
-                lr=self.opts.server_lr,
-                shuffle=torch_generator(self.cfg.seed, "fedtgp-server", rnd),
-            )
-            out.update(margin=margin, server_loss=server_losses[-1])
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        return prototype_round(self, rnd, client, self.objective(client))
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Train the prototype generator on what was received (adaptive margin), then broadcast its output."""
+        p, y = stacked_prototypes(self, uploads)
+        margin = adaptive_margin(p, y, self.opts.margin_threshold)
+        server_losses = train_generator(
+            self.generator,
+            p,
+            y,
+            margin,
+            epochs=self.opts.server_epochs,
+            batch_size=self.opts.server_batch_size,
+            lr=self.opts.server_lr,
+            shuffle=torch_generator(self.cfg.seed, "fedtgp-server", rnd),
+        )
         with torch.no_grad():
             global_protos = self.generator().detach()
         c = self.env.num_classes
-        delivered = self.channel.broadcast(
-            rnd,
-            self.client_names(),
-            "global_proto",
-            {"protos": global_protos, "classes": torch.arange(c, device=global_protos.device)},
-            aux=("classes",),
-        )
-        for name, msg in delivered.items():
-            received, known = self.received[name]
-            cls = msg.tensors["classes"].to(self.env.device)
-            received[cls] = msg.tensors["protos"].to(self.env.device)
-            known[cls] = True
-        return out
+        tensors = {"protos": global_protos, "classes": torch.arange(c, device=global_protos.device)}
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "global_proto", tensors, aux=("classes",)))
+        return {"margin": margin, "server_loss": server_losses[-1]}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        received, known = self.received[client.name]
+        cls = msg.tensors["classes"].to(self.env.device)
+        received[cls] = msg.tensors["protos"].to(self.env.device)
+        known[cls] = True
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        protos, known = self.received[client.name]
+        return {**super().client_state(client), "received.protos": protos, "received.known": known}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        protos, known = self.received[client.name]
+        protos.copy_(state["received.protos"])
+        known.copy_(state["received.known"])
 
     @torch.no_grad()
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod
 from privfl.methods.finch import DISTANCES, finch
-from privfl.methods.prototypes import train_and_upload_prototypes
+from privfl.methods.prototypes import prototype_round, stacked_prototypes
 
 
 @dataclass
@@ -140,32 +141,43 @@ class FPL(FLMethod):
 
         return loss
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        out, protos, classes = train_and_upload_prototypes(self, rnd, selected, self.objective)
-        if protos is None or classes is None:
-            return out
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        return prototype_round(self, rnd, client, self.objective(client))
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """FINCH-cluster the received prototypes per class, average each class's clusters (unbiased), send both."""
+        protos, classes = stacked_prototypes(self, uploads)
         cluster, cluster_classes = cluster_prototypes(protos, classes, step=self.opts.finch_step, distance=self.opts.finch_distance)
         unbiased, unbiased_classes = unbiased_prototypes(cluster, cluster_classes)
         names = self.client_names()
-        sent_cluster = self.channel.broadcast(
-            rnd, names, "global_proto", {"protos": cluster, "classes": cluster_classes}, meta={"role": "cluster"}, aux=("classes",)
-        )
-        sent_unbiased = self.channel.broadcast(
-            rnd, names, "global_proto", {"protos": unbiased, "classes": unbiased_classes}, meta={"role": "unbiased"}, aux=("classes",)
-        )
+        cluster_msg = {"protos": cluster, "classes": cluster_classes}
+        self.deliver(self.channel.broadcast(rnd, names, "global_proto", cluster_msg, meta={"role": "cluster"}, aux=("classes",)))
+        unbiased_msg = {"protos": unbiased, "classes": unbiased_classes}
+        self.deliver(self.channel.broadcast(rnd, names, "global_proto", unbiased_msg, meta={"role": "unbiased"}, aux=("classes",)))
+        return {"cluster_rows": float(len(cluster))}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """The cluster prototypes replace the last ones; the unbiased ones replace them by class."""
+        mine = self.received[client.name]
+        if msg.meta.get("role") == "cluster":
+            mine["cluster"] = msg.tensors["protos"].to(self.env.device)
+            mine["cluster_classes"] = msg.tensors["classes"].to(self.env.device).long()
+            return
         c, d = self.env.num_classes, self.cfg.rep_dim
-        for name in names:
-            mine = self.received[name]
-            a, b = sent_cluster[name].tensors, sent_unbiased[name].tensors
-            mine["cluster"] = a["protos"].to(self.env.device)
-            mine["cluster_classes"] = a["classes"].to(self.env.device).long()
-            mine["unbiased"] = torch.zeros(c, d, device=self.env.device)
-            mine["known"] = torch.zeros(c, dtype=torch.bool, device=self.env.device)
-            cls = b["classes"].to(self.env.device).long()
-            mine["unbiased"][cls] = b["protos"].to(self.env.device)
-            mine["known"][cls] = True
-        out["cluster_rows"] = float(len(cluster))
-        return out
+        mine["unbiased"] = torch.zeros(c, d, device=self.env.device)
+        mine["known"] = torch.zeros(c, dtype=torch.bool, device=self.env.device)
+        cls = msg.tensors["classes"].to(self.env.device).long()
+        mine["unbiased"][cls] = msg.tensors["protos"].to(self.env.device)
+        mine["known"][cls] = True
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        return {**super().client_state(client), **{f"received.{k}": t for k, t in self.received[client.name].items()}}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        mine = self.received[client.name]
+        for key in mine:
+            mine[key] = state[f"received.{key}"].to(self.env.device)
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return {f"received.{name}.{key}": t for name, got in self.received.items() for key, t in got.items()}

@@ -52,7 +52,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, module_tensors
 from privfl.seeding import seed_global
 
 #: what a head message puts before the head's own parameter names (the client model's names)
@@ -124,20 +124,21 @@ class LGFedAvg(FLMethod):
 
     def broadcast_head(self, rnd: int, phase: str = "train") -> None:
         """The global head to every client (one message each); each overwrites its head with its copy."""
-        delivered = self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase})
-        for client in self.env.clients:
-            load_head_state(client.model.head, delivered[client.name].tensors)
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase}))
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, losses = [], []
-        for client in selected:
-            losses.append(self.fit(rnd, client).loss)  # plain CE on body + head, from the received head
-            msg = head_message(rnd, client.name, "server", client.model.head, {"num_samples": len(client.train_idx), "arch": client.arch})
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
+    def receive(self, client: Client, msg: Message) -> None:
+        load_head_state(client.model.head, msg.tensors)
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        loss = self.fit(rnd, client).loss  # plain CE on body + head, from the received head
+        msg = head_message(rnd, client.name, "server", client.model.head, {"num_samples": len(client.train_idx), "arch": client.arch})
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
         # the server uses what it received (after defenses), nothing else
-        load_head_state(self.head, average_heads(received, self.opts.weighting))
+        load_head_state(self.head, average_heads(uploads, self.opts.weighting))
         self.broadcast_head(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1)}
+        return {}
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return head_state(self.head)

@@ -14,7 +14,6 @@ A prototype message carries ``protos`` (k, d) for the k classes present on the c
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,30 +42,19 @@ def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Messa
     return msg, {"indices": client.train_idx.cpu(), "labels": labels.cpu()}
 
 
-def train_and_upload_prototypes(
-    method: FLMethod, rnd: int, selected: list[Client], objective_for: Callable[[Client], Any]
-) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
-    """The client half of a prototype round (FedTGP, FPL): each selected client trains with
-    ``objective_for(client)`` and uploads its prototypes. Returns the round's metrics (``train_loss`` and
-    the mean of each loss part over the clients that reported it) and the received prototypes and class
-    ids, concatenated on the method's device (None when no client was selected)."""
-    losses, parts, protos, classes = [], [], [], []
-    for client in selected:
-        stats = method.fit(rnd, client, objective_for(client))
-        losses.append(stats.loss)
-        if stats.parts:
-            parts.append(stats.parts)
-        got = method.send(*prototype_message(method, rnd, client))
-        method.env.knowledge.record_extractor(rnd, client)
-        protos.append(got.tensors["protos"].to(method.env.device))
-        classes.append(got.tensors["classes"].to(method.env.device))
-    out = {"train_loss": sum(losses) / max(len(losses), 1)}
-    for key in sorted({k for p in parts for k in p}):
-        reported = [p[key] for p in parts if key in p]
-        out[key] = sum(reported) / len(reported)
-    if not protos:
-        return out, None, None
-    return out, torch.cat(protos).float(), torch.cat(classes).long()
+def prototype_round(method: FLMethod, rnd: int, client: Client, objective: Any) -> ClientReply:
+    """The client half of a prototype round (FedTGP, FPL): train with ``objective``, then upload the
+    prototypes; the metrics are ``train_loss`` and the loss parts the objective reported."""
+    stats = method.fit(rnd, client, objective)
+    msg, truth = prototype_message(method, rnd, client)
+    method.env.knowledge.record_extractor(rnd, client)
+    return ClientReply([(msg, truth)], {"train_loss": stats.loss, **stats.parts})
+
+
+def stacked_prototypes(method: FLMethod, uploads: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every received prototype (n, d) and its class id (n,), concatenated in upload order on the method's device."""
+    device = method.env.device
+    return torch.cat([m.tensors["protos"].to(device) for m in uploads]).float(), torch.cat([m.tensors["classes"].to(device) for m in uploads]).long()
 
 
 @dataclass
