@@ -60,8 +60,8 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod
-from privfl.methods.prototypes import prototype_round, stacked_prototypes
+from privfl.methods.base import METHODS, Client, ClientReply
+from privfl.methods.prototypes import GlobalPrototypeReceiver, prototype_round, stacked_prototypes
 from privfl.seeding import seed_global, torch_generator
 
 
@@ -142,7 +142,7 @@ def train_generator(
 
 
 @METHODS.register("fedtgp")
-class FedTGP(FLMethod):
+class FedTGP(GlobalPrototypeReceiver):
     name = "fedtgp"
     sends = {"proto": "up", "global_proto": "down"}
     exposes = ("extractor",)
@@ -154,8 +154,6 @@ class FedTGP(FLMethod):
         c, d = env.num_classes, self.cfg.rep_dim
         seed_global(self.cfg.seed, "init", "fedtgp-generator")
         self.generator = PrototypeGenerator(c, d, self.opts.hidden_dim or d).to(env.device)
-        # what each client last received: global prototypes (C, d) and which of them exist (C,)
-        self.received = {cl.name: (torch.zeros(c, d, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
 
     def objective(self, client: Client):
         """CE + lambda * MSE(rep, received global prototype of y) (plain CE before any arrived)."""
@@ -196,22 +194,6 @@ class FedTGP(FLMethod):
         tensors = {"protos": global_protos, "classes": torch.arange(c, device=global_protos.device)}
         self.deliver(self.channel.broadcast(rnd, self.client_names(), "global_proto", tensors, aux=("classes",)))
         return {"margin": margin, "server_loss": server_losses[-1]}
-
-    def receive(self, client: Client, msg: Message) -> None:
-        received, known = self.received[client.name]
-        cls = msg.tensors["classes"].to(self.env.device)
-        received[cls] = msg.tensors["protos"].to(self.env.device)
-        known[cls] = True
-
-    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
-        protos, known = self.received[client.name]
-        return {**super().client_state(client), "received.protos": protos, "received.known": known}
-
-    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
-        super().load_client_state(client, state)
-        protos, known = self.received[client.name]
-        protos.copy_(state["received.protos"])
-        known.copy_(state["received.known"])
 
     @torch.no_grad()
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,33 @@ class FedGH(GlobalHeadServer):
         return torch.cat([m.tensors["protos"] for m in received]), torch.cat([m.tensors["classes"] for m in received])
 
 
+class GlobalPrototypeReceiver(FLMethod):
+    """A method whose clients keep the last global prototype of each class they received (FedProto,
+    FedTGP): ``received[client] = (protos (C, d), known (C,))``, filled by ``global_proto`` messages and
+    kept between rounds as client state."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        c, d = env.num_classes, self.cfg.rep_dim
+        self.received = {cl.name: (torch.zeros(c, d, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        protos, known = self.received[client.name]
+        cls = msg.tensors["classes"].to(self.env.device)
+        protos[cls] = msg.tensors["protos"].to(self.env.device)
+        known[cls] = True
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        protos, known = self.received[client.name]
+        return {**super().client_state(client), "received.protos": protos, "received.known": known}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        protos, known = self.received[client.name]
+        protos.copy_(state["received.protos"])
+        known.copy_(state["received.known"])
+
+
 @dataclass
 class FedProtoOptions:
     lamda: float = opt(1.0, "weight of the prototype regulariser (lambda)", min=0)
@@ -85,18 +112,12 @@ class FedProtoOptions:
 
 
 @METHODS.register("fedproto")
-class FedProto(FLMethod):
+class FedProto(GlobalPrototypeReceiver):
     name = "fedproto"
     sends = {"proto": "up", "global_proto": "down"}
     exposes = ("extractor",)
     Options = FedProtoOptions
     paper = "Tan et al., FedProto, AAAI 2022"
-
-    def __init__(self, env):
-        super().__init__(env)
-        c, d = env.num_classes, self.cfg.rep_dim
-        # what each client last received: global prototypes (C, d) and which of them exist (C,)
-        self.received = {cl.name: (torch.zeros(c, d, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
 
     def client_round(self, rnd: int, client: Client) -> ClientReply:
         """Local CE + lambda * MSE to the global prototypes this client last received, then its prototypes."""
@@ -132,22 +153,6 @@ class FedProto(FLMethod):
         tensors = {"protos": global_protos, "classes": present}
         self.deliver(self.channel.broadcast(rnd, self.client_names(), "global_proto", tensors, aux=("classes",)))
         return {}
-
-    def receive(self, client: Client, msg: Message) -> None:
-        protos, known = self.received[client.name]
-        cls = msg.tensors["classes"].to(self.env.device)
-        protos[cls] = msg.tensors["protos"].to(self.env.device)
-        known[cls] = True
-
-    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
-        protos, known = self.received[client.name]
-        return {**super().client_state(client), "received.protos": protos, "received.known": known}
-
-    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
-        super().load_client_state(client, state)
-        protos, known = self.received[client.name]
-        protos.copy_(state["received.protos"])
-        known.copy_(state["received.known"])
 
     def predict(self, client: Client, x: torch.Tensor) -> torch.Tensor:
         """Nearest received global prototype (L2), as FedProto infers; the local head until any arrive."""
