@@ -334,12 +334,9 @@ class Trainer:
         return [self.clients[i] for i in chosen]
 
     # ------------------------------------------------------------------ the loop
-    def play_setup(self) -> None:
-        """The method's messages before round 0 (the Flower engine's server runs the same on its side)."""
-        self.method.setup()
-
     def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        """One round of the method; returns its metrics (``train_loss``, ...)."""
+        """One round of the method; returns its metrics (``train_loss``, ...). The Flower engine plays the
+        client side on the nodes instead (:class:`privfl.flower.server.FlowerTrainer`)."""
         return self.method.run_round(rnd, selected)
 
     def run(self) -> dict[str, Any]:
@@ -347,7 +344,7 @@ class Trainer:
 
         cfg = self.cfg
         if self.start_round == 0:
-            self.play_setup()
+            self.method.setup()  # server-side messages before round 0 (on Flower, queued for the nodes)
             setup_records = self.channel.end_round()
         else:
             setup_records = []
