@@ -136,6 +136,7 @@ def _train(msg: Message, context: Context) -> Message:
     node = ClientNode(context)
     node.apply_inbox(msg.content)
     rnd = int(get_json(msg.content, "privfl.round"))
+    node.method.plans = {node.client.name: get_json(msg.content, "privfl.plan")}
     reply = node.method.client_round(rnd, node.client)
     content = RecordDict()
     put_messages(content, "up", [m for m, _ in reply.uploads])

@@ -136,10 +136,12 @@ class FlowerTrainer(Trainer):
 
     # ------------------------------------------------------------------ the round, server side
     def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        plans = self.method.plan_round(rnd, selected)
         messages = []
         for c in selected:
             content = RecordDict()
             put_json(content, "privfl.round", rnd)
+            put_json(content, "privfl.plan", plans.get(c.name, {}))
             self._with_inbox(c, content)
             messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type="train", group_id=str(rnd)))
         replies = self._exchange(messages)

@@ -237,6 +237,8 @@ class FLMethod:
         self.env = env
         #: client name -> {part: its tensors after the client's last local training} (personal evaluation)
         self.personal: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        #: this round's per-client instructions (:meth:`plan_round`), by client name
+        self.plans: dict[str, dict[str, Any]] = {}
         self.opts = env.opts
         self.cfg = env.cfg
         self.trainer = env.trainer if env.trainer is not None else LocalTrainer(env.cfg, env.data)
@@ -303,6 +305,7 @@ class FLMethod:
             raise NotImplementedError(f"{cls.__name__} must implement run_round, or client_round + server_round")
         uploads: list[Message] = []
         metrics: list[dict[str, float]] = []
+        self.plans = self.plan_round(rnd, selected)
         for client in selected:
             reply = self.client_round(rnd, client)
             uploads += [self.send(msg, truth) for msg, truth in reply.uploads]
@@ -322,6 +325,17 @@ class FLMethod:
         role hooks and keeps the composed :meth:`run_round` (a subclass that overrides ``run_round`` of a
         method in roles is not, since its round is no longer the composition)."""
         return cls.client_round is not FLMethod.client_round and cls.server_round is not FLMethod.server_round and cls.run_round is FLMethod.run_round
+
+    def plan_round(self, rnd: int, selected: list[Client]) -> dict[str, dict[str, Any]]:
+        """Server side, before the clients train: per-client instructions for this round (JSON values, by
+        client name), for what only the server can decide because it sees the whole selection (FedProx's
+        stragglers). They are settings of the simulation, not transmitted artifacts: never captured.
+        A client reads its own with :meth:`plan`. Default: none."""
+        return {}
+
+    def plan(self, client: Client) -> dict[str, Any]:
+        """Client side: this round's instructions from :meth:`plan_round` ({} when none)."""
+        return self.plans.get(client.name, {})
 
     def client_round(self, rnd: int, client: Client) -> ClientReply:
         """Client side of a round: local training and the messages the client sends to the server."""
