@@ -9,7 +9,7 @@ setup: .venv/.synced data
 
 .venv/.synced: pyproject.toml uv.lock
 	command -v uv >/dev/null 2>&1 || python3 -m pip install --quiet uv
-	uv sync --frozen --extra test --extra flower
+	uv sync --frozen --compile-bytecode --extra test --extra flower
 	touch $@
 
 data: $(FMNIST)

@@ -123,6 +123,12 @@ class TrainConfig:
     )
     flower_client_cpus: float = opt(1.0, "CPU cores Flower's simulation gives each ClientApp (client resources)", min_exclusive=0)
     flower_client_gpus: float = opt(0.0, "GPUs (fractions allowed) Flower's simulation gives each ClientApp", min=0)
+    flower_superlink: str = opt(
+        "127.0.0.1:8000",
+        "with --flower-mode deployment: the SuperLink's address (host:port of its HTTP API, where the ServerApp is submitted)",
+    )
+    flower_insecure: bool = opt(False, "with --flower-mode deployment: talk to the SuperLink without TLS (a test federation on localhost)")
+    flower_root_certificates: str | None = opt(None, "with --flower-mode deployment: the CA certificate (PEM) of a SuperLink that uses TLS")
     out_dir: str = opt("runs", "where run directories are created")
     run_name: str | None = opt(None, "run directory name (default: METHOD-DATASET-TIMESTAMP)")
     capture: bool = opt(True, "capture every message (index + safetensors) in the run")

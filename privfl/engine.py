@@ -483,11 +483,11 @@ def engine_class(cfg: TrainConfig) -> type[Trainer]:
         )
     if cfg.defense:
         raise ConfigError("--defense is not supported with --engine flower yet (defenses run in-process)")
-    if cfg.flower_mode != "simulation":
-        raise ConfigError("--flower-mode deployment is not supported by privfl.train yet: use simulation (docs/scale.md)")
-    from privfl.flower.server import FlowerTrainer
+    if cfg.flower_mode == "deployment":
+        from privfl.flower.deploy import check_deployment
 
-    return FlowerTrainer
+        check_deployment(cfg)
+    return _flower_trainer()
 
 
 def subsample(dataset: Any, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
@@ -643,16 +643,20 @@ def write_run_info(trainer: Trainer) -> None:
     atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
 
-def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = (), grid: Any = None) -> Run:
     """Train ``cfg`` into a new run directory; returns the finished :class:`~privfl.run.Run`.
 
     The folder is created by this call, exclusively (:class:`~privfl.runs.RunClaim`), after every
-    check that needs no folder; only a folder this call created is ever removed."""
-    trainer_cls = engine_class(cfg)
+    check that needs no folder; only a folder this call created is ever removed. With ``--flower-mode
+    deployment`` the run is submitted to the SuperLink, whose ServerApp calls this again with its
+    ``grid`` and creates the folder (:mod:`privfl.flower.deploy`)."""
+    trainer_cls = engine_class(cfg) if grid is None else _flower_trainer()
     run_dir = new_run_dir(cfg)
+    if cfg.engine == "flower" and cfg.flower_mode == "deployment" and grid is None:
+        return _submit(cfg, run_dir)
     claim = RunClaim(run_dir)
     try:
-        trainer = trainer_cls(cfg, run_dir, callbacks=callbacks, claim=claim)
+        trainer = trainer_cls(cfg, run_dir, callbacks=callbacks, claim=claim, **({"grid": grid} if grid is not None else {}))
         save_config(cfg, run_dir)
         write_run_info(trainer)
     except BaseException:
@@ -677,6 +681,23 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
             raise
     finally:
         claim.release()
+    return Run(run_dir)
+
+
+def _flower_trainer() -> type[Trainer]:
+    from privfl.flower.server import FlowerTrainer
+
+    return FlowerTrainer
+
+
+def _submit(cfg: TrainConfig, run_dir: Path) -> Run:
+    """Hand the run to the SuperLink and wait for it; the run folder is written by its ServerApp."""
+    from privfl.flower.deploy import submit
+
+    status = submit(cfg, run_dir)
+    if not (run_dir / "summary.json").is_file():
+        where = "see Flower's log above" if status else f"no finished run at {run_dir.resolve()} on this machine: the SuperLink's machine writes it"
+        raise PrivflError(f"the Flower deployment run did not finish here ({where})")
     return Run(run_dir)
 
 

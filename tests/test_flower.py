@@ -59,6 +59,10 @@ def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeyp
         train_main(["fedala", "--model-group", "homo-cnn4", *common])
     with pytest.raises(ConfigError, match="--defense is not supported with --engine flower"):
         train_main(["fedavg", "--model-group", "homo-cnn4", "--defense", "gaussian:std=0.01", *common])
+    with pytest.raises(ConfigError, match="--flower-insecure"):
+        train_main(["fedavg", "--model-group", "homo-cnn4", "--flower-mode", "deployment", *common])
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        train_main(["fedavg", "--model-group", "homo-cnn4", "--flower-mode", "deployment", "--flower-insecure", "--flower-superlink", "x", *common])
     monkeypatch.setitem(sys.modules, "flwr", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match="uv sync --extra flower"):
         train_main(["fedavg", "--model-group", "homo-cnn4", *common])
@@ -80,14 +84,15 @@ def _metrics(run: Path) -> list[dict]:
     return rows
 
 
-def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
-    """Train ``method`` twice with one seed, in-process and on Flower's simulation, and compare: metrics
-    entry by entry (wall time aside), and the capture, truth and knowledge stores byte for byte."""
+def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str], flower: tuple[str, ...] = ()) -> None:
+    """Train ``method`` twice with one seed, in-process and on Flower (simulation, or ``flower`` options),
+    and compare: metrics entry by entry (wall time aside), and the capture, truth and knowledge stores
+    byte for byte."""
     pytest.importorskip("flwr")
     torch.set_num_threads(1)  # the nodes train on one thread each (--flower-client-cpus 1)
     out = tmp_path / "runs"
-    for engine in ("inprocess", "flower"):
-        assert train_main([method, *TINY, *extra, "--engine", engine, "--out-dir", str(out), "--run-name", engine]) == 0
+    for engine, more in (("inprocess", ()), ("flower", flower)):
+        assert train_main([method, *TINY, *extra, "--engine", engine, *more, "--out-dir", str(out), "--run-name", engine]) == 0
     a, b = out / "inprocess", out / "flower"
     assert _metrics(a) == _metrics(b)
     for store in ("capture", "truth", "knowledge"):
@@ -105,3 +110,20 @@ def test_flower_simulation_equals_inprocess(tmp_path: Path, method: str, extra: 
     assert_flower_equals_inprocess(tmp_path, method, extra)
     with pytest.raises(ConfigError, match="cannot be resumed yet"):
         train_main(["--resume", "--run", str(tmp_path / "runs" / "flower")])
+
+
+def test_flower_deployment_on_localhost(tmp_path: Path) -> None:
+    """A SuperLink and two SuperNodes as separate processes: the run equals the in-process one, and
+    stopping the federation ends exactly the processes it started (Flower's helpers included). About a
+    minute: Flower 1.41 starts a ClientApp process per message and a SuperNode polls every 3 s."""
+    pytest.importorskip("flwr")
+    from privfl.flower.deploy import LocalFederation, alive
+
+    with LocalFederation(2, tmp_path / "federation") as fed:
+        started = fed.pids()
+        assert len(started) >= 3  # the SuperLink and two SuperNodes (and the helpers they start)
+        deploy = ("--flower-mode", "deployment", "--flower-insecure", "--flower-superlink", fed.address)
+        assert_flower_equals_inprocess(tmp_path, "fedavg", ["--model-group", "homo-cnn4", "--num-clients", "2"], deploy)
+        started |= fed.pids()
+    assert [pid for pid in started if alive(pid)] == []
+    assert json.loads((tmp_path / "runs" / "flower" / "config.json").read_text())["flower_mode"] == "deployment"

@@ -21,6 +21,7 @@ in-process numbers; see ``docs/scale.md`` for what is and is not bit-identical.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -43,11 +44,11 @@ from privfl.methods.base import mean_metrics
 class FlowerTrainer(Trainer):
     """A run whose clients are Flower nodes (``--engine flower``)."""
 
-    def __init__(self, cfg: Any, run_dir: Path, **kwargs: Any):
+    def __init__(self, cfg: Any, run_dir: Path, *, grid: Grid | None = None, **kwargs: Any):
         super().__init__(cfg, run_dir, **kwargs)
         self.outbox: dict[str, list[PrivflMessage]] = {c.name: [] for c in self.clients}
         self.method.env.deliver = self._queue
-        self.grid: Grid | None = None
+        self.grid = grid  # given in deployment (the SuperLink's ServerApp); simulation makes its own
         self.node_of: dict[int, int] = {}
 
     def _queue(self, name: str, msg: PrivflMessage) -> None:
@@ -55,6 +56,9 @@ class FlowerTrainer(Trainer):
 
     # ------------------------------------------------------------------ Flower plumbing
     def run(self) -> dict[str, Any]:
+        if self.grid is not None:  # deployment: this is the ServerApp the SuperLink started
+            self._connect()
+            return Trainer.run(self)
         from flwr.simulation import run_simulation
 
         result: dict[str, Any] = {}
@@ -182,4 +186,20 @@ class FlowerTrainer(Trainer):
         return {f"method.{k}": v for k, v in self.method.server_state().items()}
 
 
-__all__ = ["FlowerTrainer"]
+#: the ServerApp a SuperLink starts for ``privfl.train --flower-mode deployment`` (privfl.flower.deploy)
+app = ServerApp()
+
+
+@app.main()
+def _deployed(grid: Grid, context: Context) -> None:
+    from privfl.config import build_config
+    from privfl.engine import train
+    from privfl.flower.deploy import JOB_KEY
+    from privfl.methods import resolve_method
+
+    job = json.loads(str(context.run_config[JOB_KEY]))
+    cfg = build_config(job, resolve_method(job["method"]).Options)
+    train(cfg, grid=grid)
+
+
+__all__ = ["FlowerTrainer", "app"]
