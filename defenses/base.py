@@ -225,9 +225,17 @@ class Defense:
             for k in names:
                 value = defended[k] + bases[k] if k in bases else defended[k]
                 out[k] = value.to(msg.tensors[k].dtype).contiguous()
+        defended_msg = Message(msg.round, msg.sender, msg.receiver, msg.kind, out, dict(msg.meta), msg.aux)
+        self.account(defended_msg)
+        return defended_msg
+
+    def account(self, msg: Message) -> None:
+        """Count ``msg`` as defended (and run :meth:`after_defended`). On Flower a client's node defends
+        its uploads and the server's copy of the defense accounts for them, so a defense's report and
+        checkpointed state live on the server; :meth:`transform` must depend only on the message, its
+        reference and the defense's parameters."""
         self.defended_messages += 1
         self.after_defended(msg)
-        return Message(msg.round, msg.sender, msg.receiver, msg.kind, out, dict(msg.meta), msg.aux)
 
     # -- what subclasses implement ----------------------------------------------------------------
 

@@ -48,6 +48,18 @@ class ChannelContext:
 
 
 Mod = Callable[[Message, ChannelContext], Message]
+
+
+def prepared(msg: Message, method: str, sends: Mapping[str, str] | None) -> Message:
+    """``msg`` checked against its kind and the method's ``sends``, with the kind's ``aux`` names set:
+    what the mods see (on Flower a client's node runs the defenses, so it prepares its uploads the same way)."""
+    check_message(msg, method, sends)
+    aux = tuple(n for n in KINDS.get(msg.kind).aux_names if n in msg.tensors) or msg.aux
+    if aux != msg.aux:
+        msg = Message(msg.round, msg.sender, msg.receiver, msg.kind, msg.tensors, msg.meta, aux)
+    return msg
+
+
 Observer = Callable[[Message, dict[str, Any]], None]
 
 
@@ -73,10 +85,7 @@ class Channel:
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
         """Transmit ``msg``; returns the receiver's copy (after mods)."""
-        check_message(msg, self.method, self.sends)
-        aux = tuple(n for n in KINDS.get(msg.kind).aux_names if n in msg.tensors) or msg.aux
-        if aux != msg.aux:
-            msg = Message(msg.round, msg.sender, msg.receiver, msg.kind, msg.tensors, msg.meta, aux)
+        msg = prepared(msg, self.method, self.sends)
         for mod in self.mods:
             msg = mod(msg, self.context)
         record: dict[str, Any] = {

@@ -481,8 +481,6 @@ def engine_class(cfg: TrainConfig) -> type[Trainer]:
             f"{cfg.method} runs in-process only: --engine flower needs a method written in roles "
             "(client_round + server_round + receive, docs/extending.md), and this one overrides run_round"
         )
-    if cfg.defense:
-        raise ConfigError("--defense is not supported with --engine flower yet (defenses run in-process)")
     if cfg.flower_mode == "deployment":
         from privfl.flower.deploy import check_deployment
 

@@ -57,8 +57,6 @@ def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeyp
     common = [*TINY, "--engine", "flower", "--out-dir", str(out)]
     with pytest.raises(ConfigError, match="written in roles"):
         train_main(["fedala", "--model-group", "homo-cnn4", *common])
-    with pytest.raises(ConfigError, match="--defense is not supported with --engine flower"):
-        train_main(["fedavg", "--model-group", "homo-cnn4", "--defense", "gaussian:std=0.01", *common])
     with pytest.raises(ConfigError, match="--flower-insecure"):
         train_main(["fedavg", "--model-group", "homo-cnn4", "--flower-mode", "deployment", *common])
     with pytest.raises(ConfigError, match="HOST:PORT"):
@@ -97,6 +95,8 @@ def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]
     assert _metrics(a) == _metrics(b)
     for store in ("capture", "truth", "knowledge"):
         _same_tree(a / store, b / store)
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (a, b)]
+    assert summaries[0].get("defenses") == summaries[1].get("defenses")
     assert json.loads((b / "run.json").read_text())["engine"] == "flower"
     assert json.loads((b / "config.json").read_text())["engine"] == "flower"
     from privfl.verify import verify_run
@@ -104,9 +104,16 @@ def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]
     assert verify_run(b).ok
 
 
-@pytest.mark.parametrize("method, extra", [("fedavg", ["--model-group", "homo-cnn4"]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])])
+#: client-level DP on the uploads (defended on each node, accounted on the server) and noise on the broadcasts
+DEFENDED = ["--defense", "dp:max_norm=1,noise_multiplier=0.5", "--defense", "gaussian:sigma=0.001,directions=down"]
+
+
+@pytest.mark.parametrize(
+    "method, extra", [("fedavg", ["--model-group", "homo-cnn4", *DEFENDED]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])]
+)
 def test_flower_simulation_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
-    """Same seed, same numbers: accuracy per round, and the capture, truth and knowledge stores byte for byte."""
+    """Same seed, same numbers: accuracy per round, and the capture, truth and knowledge stores byte for
+    byte; with defenses, the same defended messages and the same privacy accounting."""
     assert_flower_equals_inprocess(tmp_path, method, extra)
     with pytest.raises(ConfigError, match="cannot be resumed yet"):
         train_main(["--resume", "--run", str(tmp_path / "runs" / "flower")])

@@ -19,6 +19,7 @@ the dataset is loaded once per worker process. A node never writes the run's fil
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -126,8 +127,8 @@ def _hello(msg: Message, context: Context) -> Message:
 def _setup(msg: Message, context: Context) -> Message:
     for key in ("privfl.setup", "privfl.indices"):
         context.state[key] = msg.content[key]
-    for key in ("privfl.model", "privfl.client"):  # a node reused for a new run starts clean
-        if key in context.state:
+    for key in list(context.state):  # a node reused for a new run starts clean
+        if key in ("privfl.model", "privfl.client") or key.startswith("privfl.reference."):
             del context.state[key]
     return Message(RecordDict(), reply_to=msg)
 
@@ -167,9 +168,54 @@ def _evaluate(msg: Message, context: Context) -> Message:
     return Message(out, reply_to=msg)
 
 
+def defense_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """The run's ``--defense`` specs, applied on the client's node to what it uploads, before it leaves.
+
+    As the in-process channel does: each upload is checked and prepared (:func:`privfl.channel.prepared`),
+    then each defense transforms it in order, relative to what this client last received of the same
+    kind (kept in the node's state, per kind, only while a defense is set). The reply says which
+    defenses touched which upload, so the server's copies account for them (epsilon, counts) in the
+    run's report; downlink defenses run on the server, which sends those messages."""
+    if "privfl.setup" not in context.state or not get_json(context.state, "privfl.setup")["config"].get("defense"):
+        return call_next(msg, context)
+    from defenses import build_defenses
+    from privfl.capture.message import Message as PrivflMessage
+    from privfl.channel import ChannelContext, prepared
+
+    setup = get_json(context.state, "privfl.setup")
+    name = f"client{int(setup['index'])}"
+    for got in get_messages(msg.content, "in"):
+        context.state[f"privfl.reference.{got.kind}"] = tensors_record(got.tensors)
+    reply = call_next(msg, context)
+    if msg.metadata.message_type != "train" or reply.has_error():
+        return reply
+    config = setup["config"]
+    defenses = build_defenses(config["defense"])
+    channel_context = ChannelContext()
+    prefix = "privfl.reference."
+    for key in [k for k in context.state if k.startswith(prefix)]:
+        channel_context.delivered(PrivflMessage(0, "server", name, key.removeprefix(prefix), get_tensors(context.state, key)))
+    from privfl.methods import resolve_method
+
+    method_cls = resolve_method(config["method"])
+    uploads = []
+    for i, upload in enumerate(get_messages(reply.content, "up")):
+        upload = prepared(upload, config["method"], method_cls.sends)
+        touched = []
+        for j, defense in enumerate(defenses):
+            before = defense.defended_messages
+            upload = defense(upload, channel_context)
+            if defense.defended_messages > before:
+                touched.append(j)
+        put_json(reply.content, f"defended.{i}", touched)
+        uploads.append(upload)
+    put_messages(reply.content, "up", uploads)
+    return reply
+
+
 def build_client_app() -> ClientApp:
-    """The privfl ClientApp (the same object for every method and run; mods added by the engine)."""
-    app = ClientApp()
+    """The privfl ClientApp (the same object for every method and run)."""
+    app = ClientApp(mods=[defense_mod])
     app.query("privfl_hello")(_hello)
     app.query("privfl_setup")(_setup)
     app.train()(_train)

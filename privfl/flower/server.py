@@ -41,11 +41,25 @@ from privfl.methods import Client
 from privfl.methods.base import mean_metrics
 
 
+class _ServerSide:
+    """A defense as a mod of the server's channel: it defends what the server sends (broadcasts, when
+    its ``directions`` include them) and lets uploads through, which the client's node defended."""
+
+    def __init__(self, defense: Any):
+        self.defense = defense
+
+    def __call__(self, msg: PrivflMessage, ctx: Any) -> PrivflMessage:
+        return self.defense(msg, ctx) if msg.sender == "server" else msg
+
+
 class FlowerTrainer(Trainer):
     """A run whose clients are Flower nodes (``--engine flower``)."""
 
     def __init__(self, cfg: Any, run_dir: Path, *, grid: Grid | None = None, **kwargs: Any):
         super().__init__(cfg, run_dir, **kwargs)
+        # a client's node defends its uploads (privfl.flower.node.defense_mod); the server's channel runs the
+        # defenses only on what the server sends, and accounts for the uploads its nodes defended
+        self.channel.mods = [_ServerSide(d) for d in self.defenses]
         self.outbox: dict[str, list[PrivflMessage]] = {c.name: [] for c in self.clients}
         self.method.env.deliver = self._queue
         self.grid = grid  # given in deployment (the SuperLink's ServerApp); simulation makes its own
@@ -158,6 +172,8 @@ class FlowerTrainer(Trainer):
                     raise PrivflError(f"{c.name}'s node replied with a message from {msg.sender} to {msg.receiver}")
                 truth = get_tensors(content, f"truth.{i}") if f"truth.{i}" in content else None
                 uploads.append(self.channel.send(msg, truth=truth))
+                for j in get_json(content, f"defended.{i}") if f"defended.{i}" in content else []:
+                    self.defenses[int(j)].account(msg)
             for i in range(int(get_json(content, "privfl.knowledge"))):
                 if self.knowledge_store is not None:
                     self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
