@@ -20,7 +20,8 @@ send with the receiver's copy and the capture record; tests inject faults throug
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,12 +40,29 @@ class ChannelContext:
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self._held: list[Message] | None = None
 
     def reference(self, msg: Message) -> dict[str, torch.Tensor] | None:
         return self._last.get((msg.sender, msg.kind))
 
     def delivered(self, msg: Message) -> None:
-        self._last[(msg.receiver, msg.kind)] = msg.tensors
+        if self._held is not None:
+            self._held.append(msg)
+        else:
+            self._last[(msg.receiver, msg.kind)] = msg.tensors
+
+    @contextmanager
+    def simultaneous(self) -> Iterator[None]:
+        """Messages sent inside count as received only at its end: in a gossip round every node sends at
+        once, so what a node sends is defended against what it received in earlier rounds, not against
+        a message that a sequential simulation happened to deliver to it a moment before."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for msg in held:
+                self.delivered(msg)
 
 
 Mod = Callable[[Message, ChannelContext], Message]

@@ -134,3 +134,25 @@ def test_flower_deployment_on_localhost(tmp_path: Path) -> None:
         started |= fed.pids()
     assert [pid for pid in started if alive(pid)] == []
     assert json.loads((tmp_path / "runs" / "flower" / "config.json").read_text())["flower_mode"] == "deployment"
+
+
+def test_flower_gossip_on_a_graph_equals_inprocess(tmp_path: Path) -> None:
+    """DFedPGP on a random time-varying graph with a node down and client DP on the peer messages: the
+    ServerApp routes every hop (captured as the peer message it is, sender to receiver), same bytes."""
+    extra = ["--model-group", "homo-cnn4", "--topology", "random", "--degree", "2", "--failures", "1@1"]
+    assert_flower_equals_inprocess(tmp_path, "dfedpgp", [*extra, "--defense", "dp:max_norm=1,noise_multiplier=0.5,directions=peer"])
+    index = [json.loads(line) for line in (tmp_path / "runs" / "flower" / "capture" / "index.jsonl").read_text().splitlines()]
+    assert index and all(r["direction"] == "peer" and r["sender"] != r["receiver"] for r in index)
+
+
+def test_route_gossip_keeps_edge_order_and_refuses_a_non_neighbour() -> None:
+    from privfl.errors import PrivflError
+    from privfl.methods.base import route_gossip
+    from privfl.topology import Ring
+
+    ring = Ring(3)
+    t = {"w": torch.zeros(1)}
+    sent = {k: [(Message(0, f"client{k}", f"client{(k + 1) % 3}", "model", t), None)] for k in (2, 0, 1)}
+    assert [(r, m.sender) for r, m, _ in route_gossip(ring, 0, sent)] == [(1, "client0"), (2, "client1"), (0, "client2")]
+    with pytest.raises(PrivflError, match="not one of its out-neighbours"):
+        route_gossip(ring, 0, {0: [(Message(0, "client0", "client2", "model", t), None)]})

@@ -32,6 +32,7 @@ from privfl.flower.records import get_json, get_messages, get_tensors, put_json,
 
 SETUP = "query.privfl_setup"
 HELLO = "query.privfl_hello"
+GOSSIP = "query.privfl_gossip"
 
 
 class NodeChannel:
@@ -133,21 +134,39 @@ def _setup(msg: Message, context: Context) -> Message:
     return Message(RecordDict(), reply_to=msg)
 
 
+def _put_uploads(content: RecordDict, uploads: list[tuple[Any, dict[str, torch.Tensor] | None]]) -> None:
+    put_messages(content, "up", [m for m, _ in uploads])
+    for i, (_, truth) in enumerate(uploads):
+        if truth is not None:
+            content[f"truth.{i}"] = tensors_record(truth)
+
+
+def _gossip(msg: Message, context: Context) -> Message:
+    """First half of a gossip round: this node's messages to its out-neighbours (the server routes them)."""
+    node = ClientNode(context)
+    node.apply_inbox(msg.content)
+    content = RecordDict()
+    _put_uploads(content, node.method.gossip_send(int(get_json(msg.content, "privfl.round")), node.client))
+    node.save(context)
+    return Message(content, reply_to=msg)
+
+
 def _train(msg: Message, context: Context) -> Message:
     node = ClientNode(context)
     node.apply_inbox(msg.content)
     rnd = int(get_json(msg.content, "privfl.round"))
-    node.method.plans = {node.client.name: get_json(msg.content, "privfl.plan")}
-    reply = node.method.client_round(rnd, node.client)
     content = RecordDict()
-    put_messages(content, "up", [m for m, _ in reply.uploads])
-    for i, (_, truth) in enumerate(reply.uploads):
-        if truth is not None:
-            content[f"truth.{i}"] = tensors_record(truth)
+    if node.method.gossips():  # second half of a gossip round: mix what the neighbours sent, train
+        metrics = node.method.gossip_round(rnd, node.client, get_messages(msg.content, "peer", node.device))
+    else:
+        node.method.plans = {node.client.name: get_json(msg.content, "privfl.plan")}
+        reply = node.method.client_round(rnd, node.client)
+        _put_uploads(content, reply.uploads)
+        metrics = reply.metrics
     for i, (record, tensors) in enumerate(node.knowledge.items):
         put_json(content, f"knowledge.{i}.head", record)
         content[f"knowledge.{i}.tensors"] = tensors_record(tensors)
-    put_numbers(content, "privfl.metrics", reply.metrics)
+    put_numbers(content, "privfl.metrics", metrics)
     put_json(content, "privfl.knowledge", len(node.knowledge.items))
     node.save(context)
     return Message(content, reply_to=msg)
@@ -184,10 +203,10 @@ def defense_mod(msg: Message, context: Context, call_next: Callable[[Message, Co
 
     setup = get_json(context.state, "privfl.setup")
     name = f"client{int(setup['index'])}"
-    for got in get_messages(msg.content, "in"):
+    for got in [*get_messages(msg.content, "in"), *get_messages(msg.content, "peer")]:
         context.state[f"privfl.reference.{got.kind}"] = tensors_record(got.tensors)
     reply = call_next(msg, context)
-    if msg.metadata.message_type != "train" or reply.has_error():
+    if msg.metadata.message_type not in ("train", GOSSIP) or reply.has_error():
         return reply
     config = setup["config"]
     defenses = build_defenses(config["defense"])
@@ -218,6 +237,7 @@ def build_client_app() -> ClientApp:
     app = ClientApp(mods=[defense_mod])
     app.query("privfl_hello")(_hello)
     app.query("privfl_setup")(_setup)
+    app.query("privfl_gossip")(_gossip)
     app.train()(_train)
     app.evaluate()(_evaluate)
     return app

@@ -35,10 +35,13 @@ from flwr.serverapp import Grid, ServerApp
 from privfl.capture.message import Message as PrivflMessage
 from privfl.engine import Trainer, parse_rounds
 from privfl.errors import PrivflError
-from privfl.flower.node import HELLO, SETUP, build_client_app, indices_record
+from privfl.flower.node import GOSSIP, HELLO, SETUP, build_client_app, indices_record
 from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages
 from privfl.methods import Client
-from privfl.methods.base import mean_metrics
+from privfl.methods.base import mean_metrics, route_gossip
+
+#: a message from a node's reply: the message, its ground truth, the defenses the node applied to it
+_Upload = tuple[PrivflMessage, dict[str, torch.Tensor] | None, list[int]]
 
 
 class _ServerSide:
@@ -153,32 +156,82 @@ class FlowerTrainer(Trainer):
         return content
 
     # ------------------------------------------------------------------ the round, server side
-    def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        plans = self.method.plan_round(rnd, selected)
+    def _messages(self, selected: list[Client], message_type: str, fill: Any) -> dict[int, RecordDict]:
+        """One ``message_type`` message to each selected client's node (``fill(client, content)`` adds the
+        round's records, then its queued server messages); its replies by client index."""
         messages = []
         for c in selected:
             content = RecordDict()
+            fill(c, content)
+            self._with_inbox(c, content)
+            messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type=message_type))
+        replies = self._exchange(messages)
+        return {c.index: replies[self.node_of[c.index]] for c in selected}
+
+    def _uploads(
+        self, client: Client, content: RecordDict, peer: bool = False
+    ) -> list[tuple[PrivflMessage, dict[str, torch.Tensor] | None, list[int]]]:
+        """A reply's messages, each with its ground truth and the defenses its node applied to it."""
+        out = []
+        for i, msg in enumerate(get_messages(content, "up", self.device)):
+            if msg.sender != client.name or (msg.receiver == "server") == peer:
+                raise PrivflError(f"{client.name}'s node replied with a message from {msg.sender} to {msg.receiver}")
+            truth = get_tensors(content, f"truth.{i}") if f"truth.{i}" in content else None
+            out.append((msg, truth, [int(j) for j in get_json(content, f"defended.{i}")] if f"defended.{i}" in content else []))
+        return out
+
+    def _send(self, msg: PrivflMessage, truth: dict[str, torch.Tensor] | None, defended: list[int]) -> PrivflMessage:
+        """Through the run's channel (capture, truth, kind checks), accounting for the node's defenses."""
+        copy = self.channel.send(msg, truth=truth)
+        for j in defended:
+            self.defenses[j].account(msg)
+        return copy
+
+    def _finish(self, client: Client, content: RecordDict) -> dict[str, float]:
+        """File the knowledge a node recorded; its metrics."""
+        for i in range(int(get_json(content, "privfl.knowledge"))):
+            if self.knowledge_store is not None:
+                self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
+        return get_numbers(content, "privfl.metrics")
+
+    def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        if self.method.gossips():
+            return self._gossip_round(rnd, selected)
+        plans = self.method.plan_round(rnd, selected)
+
+        def fill(c: Client, content: RecordDict) -> None:
             put_json(content, "privfl.round", rnd)
             put_json(content, "privfl.plan", plans.get(c.name, {}))
-            self._with_inbox(c, content)
-            messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type="train", group_id=str(rnd)))
-        replies = self._exchange(messages)
+
+        replies = self._messages(selected, "train", fill)
         uploads: list[PrivflMessage] = []
         metrics = []
         for c in selected:  # in the order of selection, as the in-process engine sends them
-            content = replies[self.node_of[c.index]]
-            for i, msg in enumerate(get_messages(content, "up", self.device)):
-                if msg.sender != c.name or msg.receiver != "server":
-                    raise PrivflError(f"{c.name}'s node replied with a message from {msg.sender} to {msg.receiver}")
-                truth = get_tensors(content, f"truth.{i}") if f"truth.{i}" in content else None
-                uploads.append(self.channel.send(msg, truth=truth))
-                for j in get_json(content, f"defended.{i}") if f"defended.{i}" in content else []:
-                    self.defenses[int(j)].account(msg)
-            for i in range(int(get_json(content, "privfl.knowledge"))):
-                if self.knowledge_store is not None:
-                    self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
-            metrics.append(get_numbers(content, "privfl.metrics"))
+            uploads += [self._send(*upload) for upload in self._uploads(c, replies[c.index])]
+            metrics.append(self._finish(c, replies[c.index]))
         return {**mean_metrics(metrics), **self.method.server_round(rnd, uploads)}
+
+    def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        """A round on a graph: each live node sends (GOSSIP); the ServerApp, as the router Flower lacks,
+        passes each message through the channel (captured as the peer message it is) in the order of the
+        topology's edges, then hands each node what it received with its ``train`` message."""
+        replies = self._messages(selected, GOSSIP, lambda c, content: put_json(content, "privfl.round", rnd))
+        sent, notes = {}, {}
+        for c in selected:
+            uploads = self._uploads(c, replies[c.index], peer=True)
+            sent[c.index] = [(msg, truth) for msg, truth, _ in uploads]
+            notes.update({id(msg): defended for msg, _, defended in uploads})
+        inbox: dict[int, list[PrivflMessage]] = {c.index: [] for c in selected}
+        with self.channel.context.simultaneous():
+            for receiver, msg, truth in route_gossip(self.topology, rnd, sent):
+                inbox[receiver].append(self._send(msg, truth, notes[id(msg)]))
+
+        def fill(c: Client, content: RecordDict) -> None:
+            put_json(content, "privfl.round", rnd)
+            put_messages(content, "peer", inbox[c.index])
+
+        replies = self._messages(selected, "train", fill)
+        return self.method.gossip_metrics(rnd, [self._finish(c, replies[c.index]) for c in selected])
 
     def collect_hits(self, flags: tuple[bool, ...]) -> dict[bool, list[tuple[int, int, int | None]]]:
         messages = []

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from privfl.capture.message import Message
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family, ParamForm, check_sends
 from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
 from privfl.registry import Registry
@@ -301,8 +301,10 @@ class FLMethod:
         :meth:`receive`) inherits this composition and runs on every engine; a method that overrides
         ``run_round`` itself runs in-process only (``--engine flower`` refuses it, naming these hooks)."""
         cls = type(self)
+        if cls.gossips():
+            return self._gossip_round(rnd, selected)
         if cls.client_round is FLMethod.client_round or cls.server_round is FLMethod.server_round:  # (a subclass may extend this round)
-            raise NotImplementedError(f"{cls.__name__} must implement run_round, or client_round + server_round")
+            raise NotImplementedError(f"{cls.__name__} must implement run_round, client_round + server_round, or gossip_send + gossip_round")
         uploads: list[Message] = []
         metrics: list[dict[str, float]] = []
         self.plans = self.plan_round(rnd, selected)
@@ -322,9 +324,43 @@ class FLMethod:
     @classmethod
     def in_roles(cls) -> bool:
         """Whether the method is written in roles (so it runs on the Flower engine as well): it has both
-        role hooks and keeps the composed :meth:`run_round` (a subclass that overrides ``run_round`` of a
-        method in roles is not, since its round is no longer the composition)."""
-        return cls.client_round is not FLMethod.client_round and cls.server_round is not FLMethod.server_round and cls.run_round is FLMethod.run_round
+        role hooks of a star round (or both of a gossip round) and keeps the composed :meth:`run_round`
+        (a subclass that overrides ``run_round`` of a method in roles is not, since its round is no
+        longer the composition)."""
+        star = cls.client_round is not FLMethod.client_round and cls.server_round is not FLMethod.server_round
+        return (star or cls.gossips()) and cls.run_round is FLMethod.run_round
+
+    @classmethod
+    def gossips(cls) -> bool:
+        """Whether the method's round is a gossip round on a graph (:meth:`gossip_send` + :meth:`gossip_round`)."""
+        return cls.gossip_send is not FLMethod.gossip_send and cls.gossip_round is not FLMethod.gossip_round
+
+    # -------------------------------------------------------------- protocol, in roles, on a graph
+    # A decentralised method (ring, neighbour graph) written in two client-side hooks: every live node
+    # first sends (gossip_send), then mixes what it received and trains (gossip_round). privfl routes each
+    # message from its sender to its receiver, captured as the peer message it is, in the order of the
+    # topology's edges: in-process directly, on Flower through the ServerApp (Flower has no peer links).
+
+    def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Client side: what this live node sends this round, one message per out-neighbour of the run's
+        topology (receiver ``client{j}``), each with the ground truth behind it."""
+        raise NotImplementedError
+
+    def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
+        """Client side: mix what this node received this round (its copies, in edge order), train; its metrics."""
+        raise NotImplementedError
+
+    def gossip_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """The round's metrics from the live nodes' :meth:`gossip_round` rows (default: per-key means)."""
+        return mean_metrics(rows)
+
+    def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+        sent = {c.index: self.gossip_send(rnd, c) for c in selected}
+        inbox: dict[int, list[Message]] = {c.index: [] for c in selected}
+        with self.channel.context.simultaneous():
+            for receiver, msg, truth in route_gossip(self.env.topology, rnd, sent):
+                inbox[receiver].append(self.send(msg, truth))
+        return self.gossip_metrics(rnd, [self.gossip_round(rnd, c, inbox[c.index]) for c in selected])
 
     def plan_round(self, rnd: int, selected: list[Client]) -> dict[str, dict[str, Any]]:
         """Server side, before the clients train: per-client instructions for this round (JSON values, by
@@ -478,6 +514,31 @@ class GlobalModelServer(FLMethod):
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         load_module_tensors(self.global_model, state)
+
+
+def route_gossip(
+    topology: Any, rnd: int, sent: dict[int, list[tuple[Message, dict[str, torch.Tensor] | None]]]
+) -> list[tuple[int, Message, dict[str, torch.Tensor] | None]]:
+    """The nodes' gossip messages as (receiver, message, truth), in the order of ``topology.edges(rnd)``
+    (the capture's order on every engine); a message off the round's edges is an error, in one line."""
+    by_edge: dict[tuple[int, int], tuple[Message, dict[str, torch.Tensor] | None]] = {}
+    for sender, messages in sent.items():
+        for msg, truth in messages:
+            receiver = int(msg.receiver.removeprefix("client")) if msg.receiver.startswith("client") else -1
+            if msg.sender != f"client{sender}" or (sender, receiver) in by_edge:
+                raise PrivflError(
+                    f"client{sender}'s gossip holds a message from {msg.sender} to {msg.receiver} (one per out-neighbour, sent by itself)"
+                )
+            by_edge[(sender, receiver)] = (msg, truth)
+    routed = []
+    for edge in topology.edges(rnd):
+        if edge in by_edge:
+            msg, truth = by_edge.pop(edge)
+            routed.append((edge[1], msg, truth))
+    if by_edge:
+        (s, r), _ = next(iter(by_edge.items()))
+        raise PrivflError(f"client{s} sent to client{r} in round {rnd}, which is not one of its out-neighbours then")
+    return routed
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -74,7 +74,6 @@ Decisions where the paper is open or its code differs:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -85,7 +84,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
 from privfl.methods.fedrep import frozen
 from privfl.seeding import derive_seed
 from privfl.topology import Graph, GraphOptions, build_graph
@@ -187,7 +186,7 @@ class DFedPGP(FLMethod):
         if self.opts.head_epochs == 0 and self.body_epochs == 0:
             raise ConfigError("dfedpgp: --head-epochs and --body-epochs are both 0, so no client would train anything")
         self.topology: Graph = env.topology if isinstance(env.topology, Graph) else self.build_topology(self.cfg, self.opts)
-        n = len(env.clients)
+        n = self.cfg.num_clients  # (on a Flower node env.clients holds only its own client)
         self.push_weight = torch.ones(n, dtype=torch.float64)  # mu_i of push-sum (stays 1 with mixing=mean)
         self.last_trained = torch.full((n,), -1, dtype=torch.int64)  # the round a node last trained (-1: never)
         self.trained_from = torch.full((n,), -1, dtype=torch.int64)  # the round whose received bodies it mixed in then (-1: none)
@@ -215,36 +214,38 @@ class DFedPGP(FLMethod):
         """The weight a_j of a body in the mix: mu_j / (d_j + 1) with push-sum, 1 with the mean."""
         return mu / (out_degree + 1) if self.opts.mixing == "push-sum" else 1.0
 
-    # ------------------------------------------------------------------ rounds
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        clients = self.env.clients
-        live = [c.index for c in selected]
-        outs = {i: len(self.topology.out_neighbors(i, rnd)) for i in live}
-        own = {i: body_state(clients[i].model) for i in live}  # each node's state after round t-1, as it is sent
-        inbox: dict[int, list[Message]] = defaultdict(list)
-        for s, r in self.topology.edges(rnd):
-            sender = clients[s]
-            truth = {"indices": sender.train_idx.cpu()} if int(self.last_trained[s]) >= 0 else None
-            msg = Message(rnd, sender.name, clients[r].name, "model", own[s], self._meta(sender, outs[s]))
-            inbox[r].append(self.send(msg, truth=truth))  # the receiver mixes what it received (after defenses)
-        parts: list[dict[str, float]] = []
-        scalars = 0
-        for c in selected:
-            i, got = c.index, inbox.get(c.index, [])
-            weights = [self._share(float(self.push_weight[i]), outs[i])]
-            weights += [self._share(float(m.meta["push_weight"]), int(m.meta["out_degree"])) for m in got]
-            load_body(c.model, mix_states([own[i], *(m.tensors for m in got)], weights))
-            if self.opts.mixing == "push-sum":
-                self.push_weight[i] = sum(weights)
-            self.trained_from[i] = rnd if got else -1
-            parts.append(self.train_client(rnd, c))
-            self.last_trained[i] = rnd
-            scalars = max([scalars, *(m.paper_scalars for m in got)])
-        keys = sorted({k for p in parts for k in p})
-        out = {k: sum(p[k] for p in parts if k in p) / max(sum(k in p for p in parts), 1) for k in keys}
-        out["live_nodes"] = float(len(live))
-        out["body_scalars"] = float(scalars)
-        out["push_weight_min"] = float(self.push_weight[live].min()) if live else 1.0
+    # ------------------------------------------------------------------ rounds (gossip roles: send, then mix and train)
+    def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """The body as it stands after round t-1, to each out-neighbour of round t."""
+        i = client.index
+        outs = self.topology.out_neighbors(i, rnd)
+        own = body_state(client.model)
+        truth = {"indices": client.train_idx.cpu()} if int(self.last_trained[i]) >= 0 else None
+        meta = self._meta(client, len(outs))
+        return [(Message(rnd, client.name, f"client{r}", "model", own, dict(meta)), truth) for r in sorted(outs)]
+
+    def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
+        """Mix the own body with the received ones (after defenses), then head and body epochs."""
+        i = client.index
+        weights = [self._share(float(self.push_weight[i]), len(self.topology.out_neighbors(i, rnd)))]
+        weights += [self._share(float(m.meta["push_weight"]), int(m.meta["out_degree"])) for m in received]
+        load_body(client.model, mix_states([body_state(client.model), *(m.tensors for m in received)], weights))
+        if self.opts.mixing == "push-sum":
+            self.push_weight[i] = sum(weights)
+        self.trained_from[i] = rnd if received else -1
+        row = self.train_client(rnd, client)
+        self.last_trained[i] = rnd
+        return {**row, "body_scalars": float(max([0, *(m.paper_scalars for m in received)])), "push_weight": float(self.push_weight[i])}
+
+    def gossip_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Losses averaged over the nodes that report them; the live count, the largest body received, the
+        smallest push-sum weight."""
+        own = ("body_scalars", "push_weight")
+        out = mean_metrics([{k: v for k, v in row.items() if k not in own} for row in rows])
+        out = {k: out[k] for k in sorted(out)}
+        out["live_nodes"] = float(len(rows))
+        out["body_scalars"] = float(max([0.0, *(row["body_scalars"] for row in rows)]))
+        out["push_weight_min"] = float(min(row["push_weight"] for row in rows)) if rows else 1.0
         return out
 
     def train_client(self, rnd: int, client: Client) -> dict[str, float]:
@@ -282,6 +283,19 @@ class DFedPGP(FLMethod):
         self.last_trained = state["last_trained"].cpu().clone()
         self.trained_from = state["trained_from"].cpu().clone()
         self.body_steps = state["body_steps"].cpu().clone()
+
+    _NODE_STATE = ("push_weight", "last_trained", "trained_from", "body_steps")
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        """A node's own entries of the bookkeeping above (what its Flower node keeps between messages)."""
+        i = client.index
+        return {**super().client_state(client), **{f"dfedpgp.{k}": getattr(self, k)[i : i + 1].clone() for k in self._NODE_STATE}}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        for k in self._NODE_STATE:
+            if f"dfedpgp.{k}" in state:
+                getattr(self, k)[client.index] = state[f"dfedpgp.{k}"].cpu()[0]
 
 
 __all__ = ["BODY_PREFIXES", "DFedPGP", "DFedPGPOptions", "body_state", "frozen", "load_body", "mix_states", "part_parameters"]
