@@ -152,6 +152,7 @@ def test_route_gossip_keeps_edge_order_and_refuses_a_non_neighbour() -> None:
 
     ring = Ring(3)
     t = {"w": torch.zeros(1)}
+    sent: dict[int, list[tuple[Message, dict[str, torch.Tensor] | None]]]
     sent = {k: [(Message(0, f"client{k}", f"client{(k + 1) % 3}", "model", t), None)] for k in (2, 0, 1)}
     assert [(r, m.sender) for r, m, _ in route_gossip(ring, 0, sent)] == [(1, "client0"), (2, "client1"), (0, "client2")]
     with pytest.raises(PrivflError, match="not one of its out-neighbours"):
