@@ -36,10 +36,10 @@ Decisions where the paper is open or the references differ:
   client selection, sample weighting is the unbiased counterpart. Integer buffers are averaged and
   rounded, as FedAvg does, so that mu = 0 is exactly FedAvg (a test checks tensor equality).
 - **Variable local work** (the paper's systems heterogeneity, optional, off by default): with
-  ``stragglers`` = s > 0, each round round(m (1 - s)) of the m selected clients, drawn from
-  (seed, "fedprox-stragglers", round), run ``--local-epochs`` E; the others run a number of epochs
-  drawn uniformly from [1, E) as the authors' code does (``np.random.randint(1, E)``; E = 1 leaves
-  them at 1 epoch, so it needs E >= 2 to matter). Their partial solutions are aggregated like the
+  ``stragglers`` = s > 0, each round round(m (1 - s)) of the m selected clients, drawn by the server
+  (which alone sees the selection; :meth:`plan_round`) from (seed, "fedprox-stragglers", round), run
+  ``--local-epochs`` E; the others run a number of epochs drawn uniformly from [1, E) as the authors'
+  code does (``np.random.randint(1, E)``; E = 1 leaves them at 1 epoch, so it needs E >= 2 to matter). Their partial solutions are aggregated like the
   others: that is FedProx's point (the paper's FedAvg baseline drops them; privfl's ``fedavg`` has no
   stragglers). The uploaded meta ``tau`` gives each client's actual local steps.
 - **Reported losses.** ``train_loss`` is the mean of the whole objective over local steps, with its
@@ -60,7 +60,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, GlobalModelServer, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
 from privfl.methods.trainer import Objective, cross_entropy
 from privfl.seeding import numpy_rng
 
@@ -142,23 +142,25 @@ class FedProx(GlobalModelServer):
             epochs[selected[i].name] = int(rng.integers(1, max(self.cfg.local_epochs, 2)))
         return epochs
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        epochs = self.local_epochs(rnd, selected)
-        received: list[Message] = []
-        totals = {"train_loss": 0.0, "ce": 0.0, "prox": 0.0}
-        for client in selected:
-            # w^t: the model as this client received it (its own copy of the last broadcast)
-            anchor = {name: p.detach().clone() for name, p in client.model.named_parameters()}
-            stats = self.fit(rnd, client, proximal_objective(anchor, self.opts.mu), epochs=epochs[client.name])
-            for key, value in stats.as_dict().items():
-                totals[key] += value
-            meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps, "mu": self.opts.mu}
-            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
-        # the server uses what it received (after defenses), nothing else
-        self.global_model.load_state_dict(average_states(received, self.global_model.state_dict()))
+    def plan_round(self, rnd: int, selected: list[Client]) -> dict[str, dict[str, Any]]:
+        """Server side: who straggles depends on the whole selection, so the server draws each client's epochs."""
+        return {name: {"epochs": epochs} for name, epochs in self.local_epochs(rnd, selected).items()}
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: proximal local training from the model as this client received it, then its upload."""
+        # w^t: the model as this client received it (its own copy of the last broadcast)
+        anchor = {name: p.detach().clone() for name, p in client.model.named_parameters()}
+        epochs = int(self.plan(client).get("epochs", self.cfg.local_epochs))
+        stats = self.fit(rnd, client, proximal_objective(anchor, self.opts.mu), epochs=epochs)
+        meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps, "mu": self.opts.mu}
+        msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], stats.as_dict())
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: the sample-weighted mean of what it received (after defenses), broadcast to every client."""
+        self.global_model.load_state_dict(average_states(uploads, self.global_model.state_dict()))
         self.broadcast(rnd)
-        return {k: v / max(len(selected), 1) for k, v in totals.items()}
+        return {}
 
 
 __all__ = ["FedProx", "FedProxOptions", "average_states", "proximal_objective"]
