@@ -230,14 +230,21 @@ class Trainer:
                 old.unlink()
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint holds: every client's model, the method's server state, and the personal
-        parts ``--eval personal`` swaps in (so a resumed run scores the same)."""
+        """What a checkpoint holds: every client's model, the method's server state, and what each client
+        keeps beside its model (:meth:`FLMethod.client_state`: the personal parts ``--eval personal`` swaps
+        in, the method's per-client tensors), so a resumed run continues as if never stopped."""
         state = {}
         for c in self.clients:
             state.update({f"{c.name}.{k}": v.detach() for k, v in c.model.state_dict().items()})
         state.update({f"method.{k}": v for k, v in self.method.server_state().items()})
-        for client, parts in self.method.personal.items():
-            state.update({f"personal.{client}/{part}/{k}": v for part, tensors in parts.items() for k, v in tensors.items()})
+        taken = {v.untyped_storage().data_ptr() for v in state.values()}
+        for c in self.clients:
+            for k, v in self.method.client_state(c).items():
+                # a method may keep a client's tensor in its server state as well (one process holds both):
+                # safetensors stores each storage once, so such a tensor is copied
+                shared = v.untyped_storage().data_ptr() in taken
+                state[f"clientstate.{c.name}/{k}"] = v.detach().clone() if shared else v.detach()
+                taken.add(state[f"clientstate.{c.name}/{k}"].untyped_storage().data_ptr())
         return state
 
     def load_checkpoint(self) -> None:
@@ -252,10 +259,17 @@ class Trainer:
             c.model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
         self.method.personal = {}
+        kept: dict[str, dict[str, torch.Tensor]] = {c.name: {} for c in self.clients}
         for key, value in state.items():
-            if key.startswith("personal."):
-                client, part, name = key.removeprefix("personal.").split("/", 2)
-                self.method.personal.setdefault(client, {}).setdefault(part, {})[name] = value
+            if key.startswith("clientstate."):
+                client, name = key.removeprefix("clientstate.").split("/", 1)
+                kept[client][name] = value
+            elif key.startswith("personal."):  # checkpoints written before client_state was saved
+                client, name = key.removeprefix("personal.").split("/", 1)
+                kept[client][f"personal/{name}"] = value
+        for c in self.clients:
+            if kept[c.name]:
+                self.method.load_client_state(c, kept[c.name])
         self.history = info["history"]
         for defense, state in zip(self.defenses, info.get("defenses", [])):
             defense.load_state(state)
@@ -339,12 +353,17 @@ class Trainer:
         client side on the nodes instead (:class:`privfl.flower.server.FlowerTrainer`)."""
         return self.method.run_round(rnd, selected)
 
+    def play_setup(self) -> None:
+        """The method's setup exchange before round 0 (captured as round 0, meta phase=setup). The Flower
+        engine plays its client side on the nodes instead."""
+        self.method.run_setup()
+
     def run(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         if self.start_round == 0:
-            self.method.setup()  # server-side messages before round 0 (on Flower, queued for the nodes)
+            self.play_setup()
             setup_records = self.channel.end_round()
         else:
             setup_records = []

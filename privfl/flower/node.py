@@ -2,7 +2,9 @@
 
 A node learns which client it is from its ``partition-id`` (``--node-config`` in deployment; Flower's
 simulation numbers its virtual nodes 0..N-1), receives the run's config and its own train/test indices
-once (``query.privfl_setup``), and from then on answers two message types:
+once (``query.privfl_setup``), answers ``query.privfl_client_setup`` (the method's
+:meth:`~privfl.methods.FLMethod.client_setup`) and ``query.privfl_gossip`` (the first half of a gossip
+round) when the method has them, and otherwise two message types:
 
 - ``train``: apply the server's pending messages (:meth:`FLMethod.receive`, in the order sent), run the
   method's :meth:`~privfl.methods.FLMethod.client_round`, reply with its uploads (records of
@@ -33,6 +35,7 @@ from privfl.flower.records import get_json, get_messages, get_tensors, put_json,
 SETUP = "query.privfl_setup"
 HELLO = "query.privfl_hello"
 GOSSIP = "query.privfl_gossip"
+CLIENT_SETUP = "query.privfl_client_setup"
 
 
 class NodeChannel:
@@ -151,6 +154,26 @@ def _gossip(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _put_knowledge(content: RecordDict, node: ClientNode) -> None:
+    for i, (record, tensors) in enumerate(node.knowledge.items):
+        put_json(content, f"knowledge.{i}.head", record)
+        content[f"knowledge.{i}.tensors"] = tensors_record(tensors)
+    put_json(content, "privfl.knowledge", len(node.knowledge.items))
+
+
+def _client_setup(msg: Message, context: Context) -> Message:
+    """The client's part of the setup exchange: apply what the server sent at setup, then reply with the
+    messages :meth:`FLMethod.client_setup` sends (and any knowledge it recorded)."""
+    node = ClientNode(context)
+    node.apply_inbox(msg.content)
+    content = RecordDict()
+    _put_uploads(content, node.method.client_setup(node.client))
+    put_numbers(content, "privfl.metrics", {})
+    _put_knowledge(content, node)
+    node.save(context)
+    return Message(content, reply_to=msg)
+
+
 def _train(msg: Message, context: Context) -> Message:
     node = ClientNode(context)
     node.apply_inbox(msg.content)
@@ -163,11 +186,8 @@ def _train(msg: Message, context: Context) -> Message:
         reply = node.method.client_round(rnd, node.client)
         _put_uploads(content, reply.uploads)
         metrics = reply.metrics
-    for i, (record, tensors) in enumerate(node.knowledge.items):
-        put_json(content, f"knowledge.{i}.head", record)
-        content[f"knowledge.{i}.tensors"] = tensors_record(tensors)
     put_numbers(content, "privfl.metrics", metrics)
-    put_json(content, "privfl.knowledge", len(node.knowledge.items))
+    _put_knowledge(content, node)
     node.save(context)
     return Message(content, reply_to=msg)
 
@@ -206,7 +226,7 @@ def defense_mod(msg: Message, context: Context, call_next: Callable[[Message, Co
     for got in [*get_messages(msg.content, "in"), *get_messages(msg.content, "peer")]:
         context.state[f"privfl.reference.{got.kind}"] = tensors_record(got.tensors)
     reply = call_next(msg, context)
-    if msg.metadata.message_type not in ("train", GOSSIP) or reply.has_error():
+    if msg.metadata.message_type not in ("train", GOSSIP, CLIENT_SETUP) or reply.has_error():
         return reply
     config = setup["config"]
     defenses = build_defenses(config["defense"])
@@ -238,6 +258,7 @@ def build_client_app() -> ClientApp:
     app.query("privfl_hello")(_hello)
     app.query("privfl_setup")(_setup)
     app.query("privfl_gossip")(_gossip)
+    app.query("privfl_client_setup")(_client_setup)
     app.train()(_train)
     app.evaluate()(_evaluate)
     return app

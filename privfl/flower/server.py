@@ -35,10 +35,10 @@ from flwr.serverapp import Grid, ServerApp
 from privfl.capture.message import Message as PrivflMessage
 from privfl.engine import Trainer, parse_rounds
 from privfl.errors import PrivflError
-from privfl.flower.node import GOSSIP, HELLO, SETUP, build_client_app, indices_record
+from privfl.flower.node import CLIENT_SETUP, GOSSIP, HELLO, SETUP, build_client_app, indices_record
 from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages
 from privfl.methods import Client
-from privfl.methods.base import mean_metrics, route_gossip
+from privfl.methods.base import FLMethod, mean_metrics, route_gossip
 
 #: a message from a node's reply: the message, its ground truth, the defenses the node applied to it
 _Upload = tuple[PrivflMessage, dict[str, torch.Tensor] | None, list[int]]
@@ -194,9 +194,23 @@ class FlowerTrainer(Trainer):
                 self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
         return get_numbers(content, "privfl.metrics")
 
+    def play_setup(self) -> None:
+        """The setup exchange: the server's :meth:`FLMethod.setup` here, each node's ``client_setup`` (only
+        when the method has one; its uploads through the channel in client order), ``server_setup`` here."""
+        method = self.method
+        method.setup()
+        uploads: list[PrivflMessage] = []
+        if type(method).client_setup is not FLMethod.client_setup:
+            replies = self._messages(self.clients, CLIENT_SETUP, lambda c, content: None)
+            for c in self.clients:
+                uploads += [self._send(*upload) for upload in self._uploads(c, replies[c.index])]
+                self._finish(c, replies[c.index])
+        method.server_setup(uploads)
+
     def play_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         if self.method.gossips():
             return self._gossip_round(rnd, selected)
+        self.method.open_round(rnd, selected)
         plans = self.method.plan_round(rnd, selected)
 
         def fill(c: Client, content: RecordDict) -> None:

@@ -294,7 +294,24 @@ class FLMethod:
 
     # -------------------------------------------------------------- protocol
     def setup(self) -> None:
-        """Messages exchanged once before round 0 (captured as round 0, meta phase=setup)."""
+        """Server side, once before round 0: what the server sends first (captured as round 0, meta
+        phase=setup). A method whose clients answer at setup adds :meth:`client_setup` and :meth:`server_setup`."""
+
+    def client_setup(self, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Client side, once before round 0, after the client received what :meth:`setup` sent: the messages
+        it sends the server at setup (meta phase=setup), each with its ground truth. Default: none."""
+        return []
+
+    def server_setup(self, uploads: list[Message]) -> None:
+        """Server side, once before round 0: what every client's :meth:`client_setup` sent (their delivered
+        copies, in client order) -> the server's state and its last setup messages. Default: nothing."""
+
+    def run_setup(self) -> None:
+        """The setup exchange, in one process: :meth:`setup`, each client's :meth:`client_setup` (in client
+        order), :meth:`server_setup`. The Flower engine plays the client side on the nodes instead."""
+        self.setup()
+        uploads = [self.send(msg, truth) for client in self.env.clients for msg, truth in self.client_setup(client)]
+        self.server_setup(uploads)
 
     def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         """One round, in one process. A method written in roles (:meth:`client_round`, :meth:`server_round`,
@@ -307,6 +324,7 @@ class FLMethod:
             raise NotImplementedError(f"{cls.__name__} must implement run_round, client_round + server_round, or gossip_send + gossip_round")
         uploads: list[Message] = []
         metrics: list[dict[str, float]] = []
+        self.open_round(rnd, selected)
         self.plans = self.plan_round(rnd, selected)
         for client in selected:
             reply = self.client_round(rnd, client)
@@ -361,6 +379,11 @@ class FLMethod:
             for receiver, msg, truth in route_gossip(self.env.topology, rnd, sent):
                 inbox[receiver].append(self.send(msg, truth))
         return self.gossip_metrics(rnd, [self.gossip_round(rnd, c, inbox[c.index]) for c in selected])
+
+    def open_round(self, rnd: int, selected: list[Client]) -> None:
+        """Server side, before the selected clients train: messages that depend on the round's selection
+        (FedGen's generator goes only to the clients that will use it), sent with :meth:`deliver` and
+        applied by :meth:`receive` before the client's :meth:`client_round`. Default: none."""
 
     def plan_round(self, rnd: int, selected: list[Client]) -> dict[str, dict[str, Any]]:
         """Server side, before the clients train: per-client instructions for this round (JSON values, by

@@ -86,7 +86,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 #: what a head message puts before the head's own parameter names (the client model's names)
@@ -216,8 +216,8 @@ def load_head_state(head: nn.Module, tensors: dict[str, Tensor]) -> None:
 
 @METHODS.register("fedgen")
 class FedGen(FLMethod):
-    """See the module docstring. Server state: global head, generator, the label counts received at setup
-    and the counts each client holds for drawing labels."""
+    """See the module docstring. Server state: global head, generator, the label counts received at setup;
+    client state: the counts it draws generated labels from."""
 
     name = "fedgen"
     sends = {"head": "up/down", "label_counts": "up/down", "generator": "down"}
@@ -241,42 +241,60 @@ class FedGen(FLMethod):
         self.head = nn.Linear(self.cfg.rep_dim, c).to(env.device)
         seed_global(self.cfg.seed, "init", "fedgen-generator")
         self.generator = Generator(o.noise_dim, c, o.hidden_dim, self.cfg.rep_dim).to(env.device)
-        k = len(env.clients)
-        #: label counts the server received from each client at setup
-        self.counts = torch.zeros(k, c, dtype=torch.int64)
-        #: the counts each client draws its generated labels from (global ones it received, or its own)
-        self.client_counts = torch.zeros(k, c, dtype=torch.int64)
+        #: label counts the server received from each client at setup (server side)
+        self.counts = torch.zeros(self.cfg.num_clients, c, dtype=torch.int64)
+        #: client side: the counts each client draws its generated labels from (the global ones it
+        #: received, or its own), by client name; kept between rounds through client_state
+        self.client_counts: dict[str, Tensor] = {}
+        #: client side: the generator a selected client received this round, until its training uses it
+        self.received_generator: dict[str, dict[str, Tensor]] = {}
 
     @property
     def gen_batch(self) -> int:
         return self.opts.gen_batch_size or self.cfg.batch_size
 
-    # -------------------------------------------------------------- protocol
-    def setup(self) -> None:
-        c = self.env.num_classes
-        for client in self.env.clients:
-            own = torch.bincount(self.env.data.labels[client.train_idx], minlength=c).cpu()
-            msg = Message(0, client.name, "server", "label_counts", {"counts": own}, {"phase": "setup"})
-            got = self.send(msg, truth={"indices": client.train_idx.cpu()})
-            self.counts[client.index] = got.tensors["counts"].cpu()
-            if self.opts.client_labels == "local":
-                self.client_counts[client.index] = (own > 0).long()  # uniform over its own labels (official)
+    # -------------------------------------------------------------- protocol, in roles
+    def client_setup(self, client: Client) -> list[tuple[Message, dict[str, Tensor] | None]]:
+        """Client side, at setup: its label counts up (with ``client_labels=local`` it also keeps the
+        uniform distribution over its own labels, as the official code)."""
+        own = torch.bincount(self.env.data.labels[client.train_idx], minlength=self.env.num_classes).cpu()
+        if self.opts.client_labels == "local":
+            self.client_counts[client.name] = (own > 0).long()
+        msg = Message(0, client.name, "server", "label_counts", {"counts": own}, {"phase": "setup"})
+        return [(msg, {"indices": client.train_idx.cpu()})]
+
+    def server_setup(self, uploads: list[Message]) -> None:
+        """Server side, at setup: keep each client's counts; the global counts down (``client_labels=global``),
+        then the initial head."""
+        for got in uploads:
+            self.counts[int(got.sender.removeprefix("client"))] = got.tensors["counts"].cpu()
         if self.opts.client_labels == "global":
-            delivered = self.channel.broadcast(0, self.client_names(), "label_counts", {"counts": self.counts.sum(0)}, meta={"phase": "setup"})
-            for client in self.env.clients:
-                self.client_counts[client.index] = delivered[client.name].tensors["counts"].cpu()
+            self.deliver(self.channel.broadcast(0, self.client_names(), "label_counts", {"counts": self.counts.sum(0)}, meta={"phase": "setup"}))
         self.broadcast_head(0, "setup")
 
     def broadcast_head(self, rnd: int, phase: str = "train") -> None:
-        delivered = self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase})
-        for client in self.env.clients:
-            load_head_state(client.model.head, delivered[client.name].tensors)
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase}))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: the global head replaces its own; global label counts and the generator are kept."""
+        if msg.kind == "head":
+            load_head_state(client.model.head, msg.tensors)
+        elif msg.kind == "label_counts":
+            self.client_counts[client.name] = msg.tensors["counts"].cpu()
+        elif msg.kind == "generator":
+            self.received_generator[client.name] = msg.tensors
+
+    def open_round(self, rnd: int, selected: list[Client]) -> None:
+        """Server side: from round 1 on (the generator has been trained), the generator to the selected clients."""
+        if rnd > 0:
+            names = [c.name for c in selected]
+            self.deliver(self.channel.broadcast(rnd, names, "generator", module_tensors(self.generator), meta={"phase": "train"}))
 
     def objective(self, rnd: int, client: Client, generator: Generator | None):
         """CE on the client's data, plus gen_weight * CE(head(G(noise, y')), y') once a generator exists."""
         if generator is None:
             return None  # the trainer's default: CE(head(represent(x)), y)
-        probs = self.client_counts[client.index].double()
+        probs = self.client_counts.get(client.name, torch.zeros(self.env.num_classes, dtype=torch.int64)).double()
         if probs.sum() <= 0:
             raise ConfigError(f"{client.name} holds no label distribution to draw generated labels from")
         draws = torch_generator(self.cfg.seed, "fedgen-client", rnd, client.index)
@@ -293,30 +311,29 @@ class FedGen(FLMethod):
 
         return loss
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        o = self.opts
-        copies: dict[str, Generator] = {}
-        if rnd > 0:  # the generator has been trained (every round trains it): send it to the selected clients
-            delivered = self.channel.broadcast(rnd, [c.name for c in selected], "generator", module_tensors(self.generator), meta={"phase": "train"})
-            for client in selected:
-                g = Generator(o.noise_dim, self.env.num_classes, o.hidden_dim, self.cfg.rep_dim).to(self.env.device)
-                g.load_state_dict(delivered[client.name].tensors)
-                copies[client.name] = g
-        received, stats = [], []
-        for client in selected:
-            st = self.fit(rnd, client, self.objective(rnd, client, copies.get(client.name)))
-            stats.append(st)
-            meta = {"num_samples": len(client.train_idx), "lr": self.cfg.lr, "local_steps": st.steps, "arch": client.arch}
-            msg = Message(rnd, client.name, "server", "head", head_state(client.model.head), meta)
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        server_loss = self.server_update(rnd, selected, received)
-        self.broadcast_head(rnd)
-        out = {"train_loss": sum(s.loss for s in stats) / len(stats), "server_loss": server_loss}
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: train with the generator it received this round (none in round 0), upload its head."""
+        generator = None
+        tensors = self.received_generator.pop(client.name, None)
+        if tensors is not None:
+            o = self.opts
+            generator = Generator(o.noise_dim, self.env.num_classes, o.hidden_dim, self.cfg.rep_dim).to(self.env.device)
+            generator.load_state_dict(tensors)
+        st = self.fit(rnd, client, self.objective(rnd, client, generator))
+        meta = {"num_samples": len(client.train_idx), "lr": self.cfg.lr, "local_steps": st.steps, "arch": client.arch}
+        msg = Message(rnd, client.name, "server", "head", head_state(client.model.head), meta)
+        metrics = {"train_loss": st.loss}
         if rnd > 0:
-            out["gen_loss"] = sum(s.parts.get("gen", 0.0) for s in stats) / len(stats)
-        return out
+            metrics["gen_loss"] = st.parts.get("gen", 0.0)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)
 
-    def server_update(self, rnd: int, selected: list[Client], received: list[Message]) -> float:
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: train the generator on the received heads, average them, broadcast the global head."""
+        server_loss = self.server_update(rnd, uploads)
+        self.broadcast_head(rnd)
+        return {"server_loss": server_loss}
+
+    def server_update(self, rnd: int, received: list[Message]) -> float:
         """Train the generator on the received heads, then average them into the global head; uses only
         the messages (and the label counts received at setup)."""
         o = self.opts
@@ -345,19 +362,31 @@ class FedGen(FLMethod):
         return loss
 
     # -------------------------------------------------------------- state
+    def client_state(self, client: Client) -> dict[str, Tensor]:
+        state = super().client_state(client)
+        if client.name in self.client_counts:
+            state["fedgen.label_counts"] = self.client_counts[client.name].clone()
+        return state
+
+    def load_client_state(self, client: Client, state: dict[str, Tensor]) -> None:
+        super().load_client_state(client, state)
+        if "fedgen.label_counts" in state:
+            self.client_counts[client.name] = state["fedgen.label_counts"].cpu()
+
     def server_state(self) -> dict[str, Tensor]:
         return {
             **{f"head.{k}": v for k, v in module_tensors(self.head).items()},
             **{f"generator.{k}": v for k, v in module_tensors(self.generator).items()},
             "label_counts": self.counts.clone(),
-            "client_label_counts": self.client_counts.clone(),
         }
 
     def load_server_state(self, state: dict[str, Tensor]) -> None:
         self.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
         self.generator.load_state_dict({k.removeprefix("generator."): v for k, v in state.items() if k.startswith("generator.")})
         self.counts.copy_(state["label_counts"].cpu())
-        self.client_counts.copy_(state["client_label_counts"].cpu())
+        if "client_label_counts" in state:  # a checkpoint written before FedGen was in roles kept the clients' counts here
+            for k, row in enumerate(state["client_label_counts"].cpu()):
+                self.client_counts[f"client{k}"] = row
 
 
 __all__ = [
