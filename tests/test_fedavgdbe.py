@@ -138,7 +138,7 @@ def test_setup_pass_and_a_round_replayed_with_dbes_objective_written_here(tmp_pa
         return got
 
     t.channel.send = spy
-    t.method.setup()
+    t.method.run_setup()
     # --- the setup pass, replayed
     twin = Client(client.index, client.arch, copy.deepcopy(start), client.train_idx, client.test_idx)
     seen: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []

@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, GlobalModelServer, LeakageContext, ModelRequest, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, ModelRequest, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.methods.trainer import Objective
 from privfl.models.split import SplitModel
@@ -209,26 +209,31 @@ class FedAvgDBE(GlobalModelServer):
         super().__init__(env)
         self.global_mean = torch.zeros(int(self.cfg.rep_dim), device=env.device)  # G, known after setup
 
-    # -------------------------------------------------------------- protocol
+    # -------------------------------------------------------------- protocol, in roles
     def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """The global model to every client; each overwrites its shared part and keeps PRBM and G."""
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase})
-        for client in self.env.clients:
-            load_shared_state(client.model, delivered[client.name].tensors)
+        """The global model to every client; each overwrites its shared part and keeps PRBM and G (:meth:`receive`)."""
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}))
 
-    def setup(self) -> None:
-        """The initialization period: model down, one plain-CE pass per client with its running mean,
-        means up, G down (all captured as round 0, meta ``phase=setup``)."""
-        super().setup()
-        received = []
-        for client in self.env.clients:
-            mean = self.setup_pass(client)
-            meta = {"phase": "setup", "num_samples": len(client.train_idx), "momentum": float(self.opts.mean_momentum), "arch": client.arch}
-            received.append(self.send(Message(0, client.name, "server", "mean_rep", {"rep": mean}, meta), truth={"indices": client.train_idx.cpu()}))
-        self.global_mean = weighted_average(received)["rep"].to(self.env.device)
-        delivered = self.channel.broadcast(0, self.client_names(), "mean_rep", {"rep": self.global_mean}, meta={"phase": "setup"})
-        for client in self.env.clients:
-            client.model.global_mean.copy_(delivered[client.name].tensors["rep"])
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: a global model replaces the shared part; the global mean G is kept in the model's buffer."""
+        if msg.kind == "mean_rep":
+            client.model.global_mean.copy_(msg.tensors["rep"])
+        else:
+            load_shared_state(client.model, msg.tensors)
+
+    # The initialization period (all captured as round 0, meta ``phase=setup``): the model down (setup),
+    # one plain-CE pass per client with its running mean and the mean up (client_setup), G down (server_setup).
+
+    def client_setup(self, client: Client) -> list[tuple[Message, dict[str, Tensor] | None]]:
+        """Client side: the setup pass from the received model, its mean of representations up."""
+        mean = self.setup_pass(client)
+        meta = {"phase": "setup", "num_samples": len(client.train_idx), "momentum": float(self.opts.mean_momentum), "arch": client.arch}
+        return [(Message(0, client.name, "server", "mean_rep", {"rep": mean}, meta), {"indices": client.train_idx.cpu()})]
+
+    def server_setup(self, uploads: list[Message]) -> None:
+        """Server side: G, the sample-weighted mean of the received means, to every client."""
+        self.global_mean = weighted_average(uploads)["rep"].to(self.env.device)
+        self.deliver(self.channel.broadcast(0, self.client_names(), "mean_rep", {"rep": self.global_mean}, meta={"phase": "setup"}))
 
     def setup_pass(self, client: Client) -> Tensor:
         """One local pass of plain CE on the shared parameters from the received model, tracking the
@@ -257,21 +262,20 @@ class FedAvgDBE(GlobalModelServer):
             return torch.zeros_like(model.global_mean)
         return running.value.clone()
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: local training with PRBM and the mean regulariser; the shared part up."""
         o = self.opts
-        received, totals = [], {"train_loss": 0.0, "ce": 0.0, "mr": 0.0}
-        for client in selected:
-            params = [p for name, p in client.model.named_parameters() if name != "global_mean" and (name != "prbm" or o.train_prbm)]
-            stats = self.fit(rnd, client, dbe_objective(o.kappa, o.mean_momentum, o.train_prbm), parameters=params)
-            for key, value in stats.as_dict().items():
-                totals[key] += value
-            meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
-            msg = Message(rnd, client.name, "server", "model", shared_state(client.model), meta)
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        self.global_model.load_state_dict(weighted_average(received))  # FedAvg: weighted by num_samples
+        params = [p for name, p in client.model.named_parameters() if name != "global_mean" and (name != "prbm" or o.train_prbm)]
+        stats = self.fit(rnd, client, dbe_objective(o.kappa, o.mean_momentum, o.train_prbm), parameters=params)
+        meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
+        msg = Message(rnd, client.name, "server", "model", shared_state(client.model), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], stats.as_dict())
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: FedAvg of the received shared parts (weighted by num_samples), broadcast."""
+        self.global_model.load_state_dict(weighted_average(uploads))
         self.broadcast(rnd)
-        n = max(len(selected), 1)
-        return {k: v / n for k, v in totals.items()}
+        return {}
 
     # -------------------------------------------------------------- state
     def server_state(self) -> dict[str, Tensor]:
