@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.models.fedmrl_zoo import CNN_TABLE, MRLConvNet, small_model
 from privfl.models.split import SplitModel
 from privfl.seeding import seed_global
@@ -253,33 +253,39 @@ class FedMRL(FLMethod):
         stats = self.fit(rnd, client, objective, optimizer=optimizer, before_step=clip)
         return {**stats.as_dict("loss"), "steps": stats.steps}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        # download theta^{t-1} to the selected clients only (Alg. 1; Sec. 3 step 1)
-        delivered = self.channel.broadcast(rnd, [c.name for c in selected], "small_model", module_tensors(self.global_small), meta={"phase": "train"})
-        received, stats = [], []
+    def open_round(self, rnd: int, selected: list[Client]) -> None:
+        """Server side: theta^{t-1} down to the selected clients only (Alg. 1; Sec. 3 step 1)."""
+        names = [c.name for c in selected]
+        self.deliver(self.channel.broadcast(rnd, names, "small_model", module_tensors(self.global_small), meta={"phase": "train"}))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: the global small model replaces its own."""
+        load_module_tensors(client.model.small, msg.tensors)
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: the fused local training (Eq. 10), then the small model up."""
+        out = self.train_client(rnd, client)
         small_lr, _ = self.lrs()
-        for client in selected:
-            load_module_tensors(client.model.small, delivered[client.name].tensors)
-            out = self.train_client(rnd, client)
-            stats.append(out)
-            meta = {
-                "num_samples": len(client.train_idx),
-                "lr": small_lr,
-                "local_steps": out["steps"],
-                "local_epochs": self.cfg.local_epochs,
-                "batch_size": self.cfg.batch_size,
-                "momentum": self.cfg.momentum,
-                "weight_decay": self.cfg.weight_decay,
-                "grad_clip": self.opts.grad_clip,
-                "small_model": f"cnn{client.model.small.variant}",
-                "d1": client.model.d1,
-            }
-            msg = Message(rnd, client.name, "server", "small_model", module_tensors(client.model.small), meta)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
-        # the server uses only what it received
-        self.global_small.load_state_dict(weighted_average(received))
-        mean = lambda key: sum(s[key] for s in stats) / max(len(stats), 1)  # noqa: E731
-        return {"train_loss": mean("loss"), "loss_global": mean("loss_global"), "loss_local": mean("loss_local")}
+        meta = {
+            "num_samples": len(client.train_idx),
+            "lr": small_lr,
+            "local_steps": out["steps"],
+            "local_epochs": self.cfg.local_epochs,
+            "batch_size": self.cfg.batch_size,
+            "momentum": self.cfg.momentum,
+            "weight_decay": self.cfg.weight_decay,
+            "grad_clip": self.opts.grad_clip,
+            "small_model": f"cnn{client.model.small.variant}",
+            "d1": client.model.d1,
+        }
+        msg = Message(rnd, client.name, "server", "small_model", module_tensors(client.model.small), meta)
+        metrics = {"train_loss": out["loss"], "loss_global": out["loss_global"], "loss_local": out["loss_local"]}
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: the sample-weighted average of the received small models (uses only what it received)."""
+        self.global_small.load_state_dict(weighted_average(uploads))
+        return {}
 
     def predict(self, client: Client, x: Tensor) -> Tensor:
         return client.model.infer(x, self.opts.inference)
