@@ -36,7 +36,7 @@ from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
 from privfl.kinds import apply_layer_download
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 EPS = 1e-12
@@ -400,6 +400,7 @@ class FedFree(FLMethod):
         return [scored[i] for i in rank_top_k([sc for _, sc in scored], k)]
 
     def upload(self, rnd: int, client: Client, chosen: list[tuple[LayerInfo, float]]) -> Message:
+        """The chosen layers, with what the server needs to map them (position, type, geometry)."""
         tensors: dict[str, torch.Tensor] = {}
         layers_meta = []
         for rank, (layer, score) in enumerate(chosen):
@@ -420,10 +421,9 @@ class FedFree(FLMethod):
                 }
             )
         meta = {"arch": client.arch, "layers": layers_meta, "num_samples": len(client.train_idx), "lr": self.cfg.lr}
-        msg = Message(rnd, client.name, "server", "layer", tensors, meta)
-        return self.send(msg, {"indices": client.train_idx.cpu()})
+        return Message(rnd, client.name, "server", "layer", tensors, meta)
 
-    def apply_download(self, client: Client, msg: Message) -> None:
+    def receive(self, client: Client, msg: Message) -> None:
         """Eq. 7: overwrite the target layer with a flat copy of the global one."""
         target = dict(client.model.named_modules())[msg.meta["target"]]
         g = msg.meta["global_layer"]
@@ -524,25 +524,29 @@ class FedFree(FLMethod):
                 out[msg.sender] = (best[1], best[2], best[0])
         return out
 
-    # ------------------------------------------------------------------ the round
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, losses = [], []
-        for client in selected:
-            layers = candidate_layers(client.model)
-            before = {layer.name: [t.clone() for t in layer.tensors().values()] for layer in layers}
-            losses.append(self.local_train(rnd, client))
-            received.append(self.upload(rnd, client, self.select_layers(rnd, client, before)))
-        groups, server_loss = self.aggregate(rnd, received)
-        downloads = self.choose_downloads(received, groups)
-        by_name = {c.name: c for c in selected}
+    # ------------------------------------------------------------------ the round, in roles
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: local training, then its k most-changed layers (Eq. 2) up."""
+        layers = candidate_layers(client.model)
+        before = {layer.name: [t.clone() for t in layer.tensors().values()] for layer in layers}
+        loss = self.local_train(rnd, client)
+        msg = self.upload(rnd, client, self.select_layers(rnd, client, before))
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: align the global layers to the uploads, then at most one global layer down to each
+        client that uploaded (Eq. 6), which it writes into its model (:meth:`receive`, Eq. 7)."""
+        groups, server_loss = self.aggregate(rnd, uploads)
+        downloads = self.choose_downloads(uploads, groups)
         gains = []
         for sender, (g, target, gain) in downloads.items():
             tensors = {f"{g.name}.weight": g.module.weight.detach()}
             if g.module.bias is not None:
                 tensors[f"{g.name}.bias"] = g.module.bias.detach()
-            local = next(lm for lm in next(m for m in received if m.sender == sender).meta["layers"] if lm["name"] == target)
+            upload = next(m for m in uploads if m.sender == sender)
+            local = next(lm for lm in upload.meta["layers"] if lm["name"] == target)
             meta = {
-                "arch": by_name[sender].arch,
+                "arch": upload.meta["arch"],
                 "global_arch": self.opts.global_arch,
                 "global_layer": g.name,
                 "type": g.type,
@@ -553,15 +557,9 @@ class FedFree(FLMethod):
                 "kge": gain,
                 "fill": self.opts.fill,
             }
-            delivered = self.send(Message(rnd, "server", sender, "layer", tensors, meta))
-            self.apply_download(by_name[sender], delivered)
+            self.deliver({sender: self.send(Message(rnd, "server", sender, "layer", tensors, meta))})
             gains.append(gain)
-        return {
-            "train_loss": sum(losses) / max(len(losses), 1),
-            "server_loss": server_loss,
-            "downloads": float(len(downloads)),
-            "mean_kge": sum(gains) / len(gains) if gains else 0.0,
-        }
+        return {"server_loss": server_loss, "downloads": float(len(downloads)), "mean_kge": sum(gains) / len(gains) if gains else 0.0}
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, torch.Tensor]:
