@@ -251,9 +251,10 @@ def test_run_stopped_after_sharing_resumes_exactly(ran, tmp_path):
     assert [r["sha256"] for r in ran.capture.records()] == [r["sha256"] for r in resumed.capture.records()]
 
 
-def test_server_state_keeps_each_clients_own_copy_only_where_it_differs(ran, tmp_path):
+def test_checkpoint_keeps_each_clients_own_copy_only_where_it_differs(ran, tmp_path):
     """A defense on the way down would give each client its own copy of the shared dataset: the server
-    state then holds that copy (and only that one), and loading it restores every client's copy."""
+    state holds the pool once, that client's state holds its copy (and no other client's does), and
+    loading both restores every client's copy."""
     from privfl.engine import Trainer
 
     pool = ran.method.pool
@@ -261,14 +262,19 @@ def test_server_state_keeps_each_clients_own_copy_only_where_it_differs(ran, tmp
     ran.method.client_pools["client2"] = {**pool, "features": pool["features"] + 1}
     try:
         state = ran.method.server_state()
+        own = {c.name: ran.method.client_state(c) for c in ran.clients}
     finally:
         ran.method.client_pools["client2"] = pool
-    assert {k for k in state if k.startswith("pool@")} == {"pool@client2.features", "pool@client2.labels", "pool@client2.level"}
+    assert {k for k in state if k.startswith("pool")} == {"pool.features", "pool.labels", "pool.level"}
+    assert {name for name, st in own.items() if any(k.startswith("fedfed.pool.") for k in st)} == {"client2"}
     fresh = cast(FedFed, Trainer(config(tmp_path, "fresh"), tmp_path / "fresh").method)
     assert fresh.pool is None
     fresh.load_server_state(state)
+    for c in fresh.env.clients:
+        fresh.load_client_state(c, own[c.name])
     assert fresh.pool is not None and torch.equal(fresh.pool["features"], pool["features"])
     assert fresh.client_pools["client0"] is fresh.pool and torch.equal(fresh.client_pools["client2"]["features"], pool["features"] + 1)
+    assert fresh.federated == {c.name for c in ran.clients}  # the phase comes back with each client's state
 
 
 def test_every_client_trains_on_its_copy_of_the_shared_dataset(ran):

@@ -35,6 +35,7 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
         ("fedavgdbe", [*HOMO, "--knowledge-every", "1"]),
         ("fedmrl", ["--model-group", "cpu5", "--join-ratio", "0.5"]),
         ("fedfree", ["--model-group", "cpu5"]),
+        ("fedfed", ["--width", "8", "--latent-dim", "16", "--distill-rounds", "1"]),
     ],
 )
 def test_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
@@ -45,5 +46,5 @@ def test_every_method_in_roles_is_covered() -> None:
     """A method newly written in roles must be added above (or to tests/test_flower.py)."""
     from privfl.methods import METHODS
 
-    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree"}
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed"}
     assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered

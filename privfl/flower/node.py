@@ -3,8 +3,8 @@
 A node learns which client it is from its ``partition-id`` (``--node-config`` in deployment; Flower's
 simulation numbers its virtual nodes 0..N-1), receives the run's config and its own train/test indices
 once (``query.privfl_setup``), answers ``query.privfl_client_setup`` (the method's
-:meth:`~privfl.methods.FLMethod.client_setup`) and ``query.privfl_gossip`` (the first half of a gossip
-round) when the method has them, and otherwise two message types:
+:meth:`~privfl.methods.FLMethod.client_setup`), ``query.privfl_step`` (:meth:`~privfl.methods.FLMethod.client_step`)
+and ``query.privfl_gossip`` (the first half of a gossip round) when the method has them, and otherwise two message types:
 
 - ``train``: apply the server's pending messages (:meth:`FLMethod.receive`, in the order sent), run the
   method's :meth:`~privfl.methods.FLMethod.client_round`, reply with its uploads (records of
@@ -36,6 +36,7 @@ SETUP = "query.privfl_setup"
 HELLO = "query.privfl_hello"
 GOSSIP = "query.privfl_gossip"
 CLIENT_SETUP = "query.privfl_client_setup"
+STEP = "query.privfl_step"
 
 
 class NodeChannel:
@@ -174,6 +175,20 @@ def _client_setup(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _step(msg: Message, context: Context) -> Message:
+    """A further exchange within a round (:meth:`FLMethod.request`): apply what the server sent so far,
+    reply with the messages of :meth:`FLMethod.client_step`."""
+    node = ClientNode(context)
+    node.apply_inbox(msg.content)
+    content = RecordDict()
+    rnd, step = int(get_json(msg.content, "privfl.round")), str(get_json(msg.content, "privfl.step"))
+    _put_uploads(content, node.method.client_step(rnd, node.client, step))
+    put_numbers(content, "privfl.metrics", {})
+    _put_knowledge(content, node)
+    node.save(context)
+    return Message(content, reply_to=msg)
+
+
 def _train(msg: Message, context: Context) -> Message:
     node = ClientNode(context)
     node.apply_inbox(msg.content)
@@ -226,7 +241,7 @@ def defense_mod(msg: Message, context: Context, call_next: Callable[[Message, Co
     for got in [*get_messages(msg.content, "in"), *get_messages(msg.content, "peer")]:
         context.state[f"privfl.reference.{got.kind}"] = tensors_record(got.tensors)
     reply = call_next(msg, context)
-    if msg.metadata.message_type not in ("train", GOSSIP, CLIENT_SETUP) or reply.has_error():
+    if msg.metadata.message_type not in ("train", GOSSIP, CLIENT_SETUP, STEP) or reply.has_error():
         return reply
     config = setup["config"]
     defenses = build_defenses(config["defense"])
@@ -259,6 +274,7 @@ def build_client_app() -> ClientApp:
     app.query("privfl_setup")(_setup)
     app.query("privfl_gossip")(_gossip)
     app.query("privfl_client_setup")(_client_setup)
+    app.query("privfl_step")(_step)
     app.train()(_train)
     app.evaluate()(_evaluate)
     return app

@@ -35,10 +35,10 @@ from flwr.serverapp import Grid, ServerApp
 from privfl.capture.message import Message as PrivflMessage
 from privfl.engine import Trainer, parse_rounds
 from privfl.errors import PrivflError
-from privfl.flower.node import CLIENT_SETUP, GOSSIP, HELLO, SETUP, build_client_app, indices_record
+from privfl.flower.node import CLIENT_SETUP, GOSSIP, HELLO, SETUP, STEP, build_client_app, indices_record
 from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages
 from privfl.methods import Client
-from privfl.methods.base import FLMethod, mean_metrics, route_gossip
+from privfl.methods.base import FLMethod, route_gossip
 
 #: a message from a node's reply: the message, its ground truth, the defenses the node applied to it
 _Upload = tuple[PrivflMessage, dict[str, torch.Tensor] | None, list[int]]
@@ -65,6 +65,7 @@ class FlowerTrainer(Trainer):
         self.channel.mods = [_ServerSide(d) for d in self.defenses]
         self.outbox: dict[str, list[PrivflMessage]] = {c.name: [] for c in self.clients}
         self.method.env.deliver = self._queue
+        self.method.env.request = self._request
         self.grid = grid  # given in deployment (the SuperLink's ServerApp); simulation makes its own
         self.node_of: dict[int, int] = {}
 
@@ -194,6 +195,23 @@ class FlowerTrainer(Trainer):
                 self.knowledge_store.append(get_json(content, f"knowledge.{i}.head"), get_tensors(content, f"knowledge.{i}.tensors"))
         return get_numbers(content, "privfl.metrics")
 
+    def _request(self, rnd: int, names: list[str], step: str) -> list[PrivflMessage]:
+        """:meth:`FLMethod.request` on Flower: a ``query.privfl_step`` to each named client's node (with the
+        server messages queued for it), the uploads through the channel in the order of ``names``."""
+        by_name = {c.name: c for c in self.clients}
+        chosen = [by_name[name] for name in names]
+
+        def fill(c: Client, content: RecordDict) -> None:
+            put_json(content, "privfl.round", rnd)
+            put_json(content, "privfl.step", step)
+
+        replies = self._messages(chosen, STEP, fill)
+        uploads: list[PrivflMessage] = []
+        for c in chosen:
+            uploads += [self._send(*upload) for upload in self._uploads(c, replies[c.index])]
+            self._finish(c, replies[c.index])
+        return uploads
+
     def play_setup(self) -> None:
         """The setup exchange: the server's :meth:`FLMethod.setup` here, each node's ``client_setup`` (only
         when the method has one; its uploads through the channel in client order), ``server_setup`` here."""
@@ -223,7 +241,7 @@ class FlowerTrainer(Trainer):
         for c in selected:  # in the order of selection, as the in-process engine sends them
             uploads += [self._send(*upload) for upload in self._uploads(c, replies[c.index])]
             metrics.append(self._finish(c, replies[c.index]))
-        return {**mean_metrics(metrics), **self.method.server_round(rnd, uploads)}
+        return {**self.method.client_metrics(rnd, metrics), **self.method.server_round(rnd, uploads)}
 
     def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         """A round on a graph: each live node sends (GOSSIP); the ServerApp, as the router Flower lacks,
@@ -245,7 +263,7 @@ class FlowerTrainer(Trainer):
             put_messages(content, "peer", inbox[c.index])
 
         replies = self._messages(selected, "train", fill)
-        return self.method.gossip_metrics(rnd, [self._finish(c, replies[c.index]) for c in selected])
+        return self.method.client_metrics(rnd, [self._finish(c, replies[c.index]) for c in selected])
 
     def collect_hits(self, flags: tuple[bool, ...]) -> dict[bool, list[tuple[int, int, int | None]]]:
         messages = []

@@ -202,6 +202,9 @@ class FLEnv:
     #: holds the client, so the method's :meth:`FLMethod.receive` applies it at once (in-process engine);
     #: the Flower engine's server queues it for the client's node instead
     deliver: Callable[[str, Message], None] | None = None
+    #: how the server asks clients for a further exchange within a round (:meth:`FLMethod.request`): None =
+    #: this process holds the clients; the Flower engine's server sends a query to their nodes instead
+    request: Callable[[int, list[str], str], list[Message]] | None = None
 
 
 @dataclass
@@ -330,7 +333,7 @@ class FLMethod:
             reply = self.client_round(rnd, client)
             uploads += [self.send(msg, truth) for msg, truth in reply.uploads]
             metrics.append(reply.metrics)
-        return {**mean_metrics(metrics), **self.server_round(rnd, uploads)}
+        return {**self.client_metrics(rnd, metrics), **self.server_round(rnd, uploads)}
 
     # -------------------------------------------------------------- protocol, in roles
     # A method written in these three hooks keeps client and server apart: client_round and receive run
@@ -368,17 +371,13 @@ class FLMethod:
         """Client side: mix what this node received this round (its copies, in edge order), train; its metrics."""
         raise NotImplementedError
 
-    def gossip_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
-        """The round's metrics from the live nodes' :meth:`gossip_round` rows (default: per-key means)."""
-        return mean_metrics(rows)
-
     def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
         sent = {c.index: self.gossip_send(rnd, c) for c in selected}
         inbox: dict[int, list[Message]] = {c.index: [] for c in selected}
         with self.channel.context.simultaneous():
             for receiver, msg, truth in route_gossip(self.env.topology, rnd, sent):
                 inbox[receiver].append(self.send(msg, truth))
-        return self.gossip_metrics(rnd, [self.gossip_round(rnd, c, inbox[c.index]) for c in selected])
+        return self.client_metrics(rnd, [self.gossip_round(rnd, c, inbox[c.index]) for c in selected])
 
     def open_round(self, rnd: int, selected: list[Client]) -> None:
         """Server side, before the selected clients train: messages that depend on the round's selection
@@ -391,6 +390,27 @@ class FLMethod:
         stragglers). They are settings of the simulation, not transmitted artifacts: never captured.
         A client reads its own with :meth:`plan`. Default: none."""
         return {}
+
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Server side: the round's metrics from the clients' rows (:class:`ClientReply` metrics, or the live
+        nodes' :meth:`gossip_round` rows), in the order of selection. Default: per-key means; override for
+        totals or extremes (DFedPGP's live count and smallest push-sum weight)."""
+        return mean_metrics(rows)
+
+    def request(self, rnd: int, names: list[str], step: str) -> list[Message]:
+        """Server side, inside :meth:`server_round`: a further exchange within the round. Each named client
+        runs :meth:`client_step` where it lives, after applying what the server sent it so far (FedFed's
+        sharing step: every client encodes its data with the distiller just broadcast); returns their
+        uploads (delivered copies, in the order of ``names``), captured in this round."""
+        if self.env.request is not None:
+            return self.env.request(rnd, names, step)
+        by_name = {c.name: c for c in self.env.clients}
+        return [self.send(msg, truth) for name in names for msg, truth in self.client_step(rnd, by_name[name], step)]
+
+    def client_step(self, rnd: int, client: Client, step: str) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Client side: the messages of a further exchange the server asked for (:meth:`request`), each with
+        its ground truth."""
+        raise NotImplementedError(f"{type(self).__name__} has no client step {step!r}")
 
     def plan(self, client: Client) -> dict[str, Any]:
         """Client side: this round's instructions from :meth:`plan_round` ({} when none)."""

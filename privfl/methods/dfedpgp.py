@@ -237,7 +237,7 @@ class DFedPGP(FLMethod):
         self.last_trained[i] = rnd
         return {**row, "body_scalars": float(max([0, *(m.paper_scalars for m in received)])), "push_weight": float(self.push_weight[i])}
 
-    def gossip_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
         """Losses averaged over the nodes that report them; the live count, the largest body received, the
         smallest push-sum weight."""
         own = ("body_scalars", "push_weight")

@@ -141,7 +141,7 @@ from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.data.datasets import PFLLIB_MEAN_STD
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, mean_metrics, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.methods.trainer import Objective
 from privfl.models.split import SplitModel
@@ -367,7 +367,9 @@ class FedFed(FLMethod):
             raise ConfigError(f"fedfed's distiller assumes privfl's input normalisation (mean = std = {PFLLIB_MEAN_STD}); this dataset uses another")
         self.levels = [float(o.noise_std)] + ([] if o.noise_std2 is None else [float(o.noise_std2)])
         self.distill_rounds = max(1, min(o.distill_rounds, self.cfg.rounds - 1))
-        self.train_total = sum(len(c.train_idx) for c in env.clients)  # the federation's size (official: dataset_num)
+        #: server side: the federation's training-set size (official: dataset_num), which clients get as
+        #: configuration (:meth:`plan_round`), not as a message
+        self.train_total = sum(len(c.train_idx) for c in env.clients)
         from privfl.models import build_model
 
         seed_global(self.cfg.seed, "init", "server-model")  # the same initial global model as FedAvg's
@@ -377,36 +379,60 @@ class FedFed(FLMethod):
             Generator(template.distiller.generator.channels, template.distiller.generator.image_size, o.width, o.latent_dim),
             build_model(**template.classifier.spec),
         ).to(env.device)
-        self.phase = "distill"
-        #: the shared dataset as the server pooled it (None before the sharing step), and each client's copy
+        #: server side: the shared dataset as the server pooled it (None before the sharing step)
         self.pool: dict[str, Tensor] | None = None
+        #: client side: each client's copy of the shared dataset, and the clients in the federated phase
+        #: (they have received a trained FL classifier: evaluation switches from the distiller's classifier)
         self.client_pools: dict[str, dict[str, Tensor]] = {}
+        self.federated: set[str] = set()
 
-    # -------------------------------------------------------------- protocol
+    # -------------------------------------------------------------- protocol, in roles
     def setup(self) -> None:
         self.broadcast(0, "shared_model", "setup")
         self.broadcast(0, "model", "setup")
 
     def broadcast(self, rnd: int, kind: str, phase: str = "train") -> None:
-        """The global distiller (``shared_model``) or FL classifier (``model``) to every client, each loading its copy."""
-        part = "distiller" if kind == "shared_model" else "classifier"
+        """The global distiller (``shared_model``) or FL classifier (``model``) to every client (:meth:`receive`)."""
         source = self.global_distiller if kind == "shared_model" else self.global_classifier
-        delivered = self.channel.broadcast(rnd, self.client_names(), kind, module_tensors(source), meta={"phase": phase})
-        for client in self.env.clients:
-            module = client.model.get_submodule(part)
-            module.load_state_dict({k: v.to(self.env.device) for k, v in delivered[client.name].tensors.items()})
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), kind, module_tensors(source), meta={"phase": phase}))
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: a global distiller or classifier replaces its own; the shared dataset is kept."""
+        if msg.kind == SHARED_FEATURES:
+            self.keep_pool(client.name, msg.tensors)
+            return
+        module = client.model.get_submodule("distiller" if msg.kind == "shared_model" else "classifier")
+        module.load_state_dict({k: v.to(self.env.device) for k, v in msg.tensors.items()})
+        if msg.kind == "model" and msg.meta.get("phase") != "setup":
+            self.federated.add(client.name)
+
+    def plan_round(self, rnd: int, selected: list[Client]) -> dict[str, dict[str, Any]]:
+        """The federation's size, configuration for the adaptive loss weights (as the official code hands it)."""
+        return {c.name: {"train_total": self.train_total} for c in selected}
+
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: a distillation round (the distiller up) or a federated round (the classifier up)."""
         if rnd < self.distill_rounds:
-            self.phase = "distill"
-            out = self.distill_round(rnd, selected)
-            if rnd == self.distill_rounds - 1:
-                out.update(self.share(rnd))
-            return out
-        if self.pool is None:
-            raise RuntimeError("fedfed reached its federated phase without a shared dataset")
-        self.phase = "fl"
-        return self.fl_round(rnd, selected)
+            return self.distill_client(rnd, client)
+        return self.fl_client(rnd, client)
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: average what was received and broadcast it; after the last distillation round, the
+        sharing step (every client's noisy x_s up, the pool down)."""
+        if rnd < self.distill_rounds:
+            self.global_distiller.load_state_dict(weighted_average(uploads))  # what the server received, after defenses
+            self.broadcast(rnd, "shared_model")
+            return self.share(rnd) if rnd == self.distill_rounds - 1 else {}
+        self.global_classifier.load_state_dict(weighted_average(uploads))
+        self.broadcast(rnd, "model")
+        return {}
+
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Means, but the shared rows trained on are the round's total."""
+        out = mean_metrics([{k: v for k, v in row.items() if k != "shared_rows_trained"} for row in rows])
+        if rnd >= self.distill_rounds:
+            out["shared_rows_trained"] = float(sum(int(row["shared_rows_trained"]) for row in rows))
+        return out
 
     # -------------------------------------------------------------- 1. feature distillation
     def loss_weights(self, client: Client) -> tuple[float, float, float, float]:
@@ -415,7 +441,7 @@ class FedFed(FLMethod):
         w = [o.rec_weight, o.ce_weight, o.kl_weight, o.x_ce_weight]
         if o.adaptive:
             n = len(client.train_idx)
-            share = self.train_total / len(self.env.clients) * 0.2
+            share = float(self.plan(client)["train_total"]) / self.cfg.num_clients * 0.2
             largest = int(torch.bincount(self.env.data.labels[client.train_idx]).max()) if n else 0
             if n < share:  # quantity skew
                 w = [5 * w[0], w[1], 0.5 * w[2], w[3]]
@@ -452,18 +478,13 @@ class FedFed(FLMethod):
         o = self.opts
         return torch.optim.AdamW(model.distiller.parameters(), lr=o.distill_lr, betas=(0.9, 0.999), weight_decay=o.distill_weight_decay)
 
-    def distill_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, stats = [], []
-        for client in selected:
-            st = self.fit(rnd, client, self.distill_objective(client), optimizer=self.distiller_optimizer, epochs=self.opts.distill_epochs)
-            stats.append(st.as_dict())
-            meta = {"num_samples": len(client.train_idx), "lr": self.opts.distill_lr, "local_steps": st.steps, "arch": client.arch}
-            msg = Message(rnd, client.name, "server", "shared_model", module_tensors(client.model.distiller), meta)
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        self.global_distiller.load_state_dict(weighted_average(received))  # what the server received, after defenses
-        self.broadcast(rnd, "shared_model")
-        keys = ("train_loss", "rec", "ce_noisy", "kl", "ce_clean")
-        return {k: sum(s[k] for s in stats) / max(len(stats), 1) for k in keys}
+    def distill_client(self, rnd: int, client: Client) -> ClientReply:
+        """Client side of a distillation round: train the distiller, upload it."""
+        st = self.fit(rnd, client, self.distill_objective(client), optimizer=self.distiller_optimizer, epochs=self.opts.distill_epochs)
+        meta = {"num_samples": len(client.train_idx), "lr": self.opts.distill_lr, "local_steps": st.steps, "arch": client.arch}
+        msg = Message(rnd, client.name, "server", "shared_model", module_tensors(client.model.distiller), meta)
+        stats = st.as_dict()
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {k: stats[k] for k in ("train_loss", "rec", "ce_noisy", "kl", "ce_clean")})
 
     # -------------------------------------------------------------- 2. sharing
     @torch.no_grad()
@@ -483,28 +504,35 @@ class FedFed(FLMethod):
         level = torch.arange(len(self.levels), device=y.device).repeat_interleave(len(y))
         return {"features": torch.cat(features), "labels": y.repeat(len(self.levels)), "level": level}
 
+    def client_step(self, rnd: int, client: Client, step: str) -> list[tuple[Message, dict[str, Tensor] | None]]:
+        """Client side of the sharing step: its noisy x_s under the distiller it has just received."""
+        if step != "share":
+            return super().client_step(rnd, client, step)
+        idx = client.train_idx.cpu().repeat(len(self.levels))  # row i is sample idx[i]
+        meta = {"num_samples": len(client.train_idx), "noise_std": list(self.levels)}
+        return [(Message(rnd, client.name, "server", SHARED_FEATURES, self.noisy_features(rnd, client), meta), {"indices": idx})]
+
     def share(self, rnd: int) -> dict[str, float]:
-        """Every client uploads its noisy x_s; the server pools the uploads and sends the pool to everyone."""
-        uploads, truths = [], []
-        for client in self.env.clients:
-            idx = client.train_idx.cpu().repeat(len(self.levels))  # row i is sample idx[i]
-            meta = {"num_samples": len(client.train_idx), "noise_std": list(self.levels)}
-            msg = Message(rnd, client.name, "server", SHARED_FEATURES, self.noisy_features(rnd, client), meta)
-            uploads.append(self.send(msg, truth={"indices": idx}))
-            truths.append(idx)
+        """Server side: every client uploads its noisy x_s; the server pools the uploads and sends the pool to everyone."""
+        uploads = self.request(rnd, self.client_names(), "share")
         pool = {k: torch.cat([m.tensors[k] for m in uploads]) for k in ("features", "labels", "level")}
         self.pool = pool
-        truth = torch.cat(truths)
-        for client in self.env.clients:
-            got = self.send(Message(rnd, "server", client.name, SHARED_FEATURES, pool, {"noise_std": list(self.levels)}), truth={"indices": truth})
-            self.keep_pool(client.name, got.tensors)
+        # the pool's ground truth (simulation bookkeeping, never sent): the sample id of each row, in client order
+        truth = torch.cat([c.train_idx.cpu().repeat(len(self.levels)) for c in self.env.clients])
+        for name in self.client_names():
+            got = self.send(Message(rnd, "server", name, SHARED_FEATURES, pool, {"noise_std": list(self.levels)}), truth={"indices": truth})
+            self.deliver({name: got})
         return {"shared_rows": float(len(pool["labels"]))}
 
     def keep_pool(self, name: str, tensors: dict[str, Tensor]) -> None:
-        """A client's copy of the shared dataset; a copy equal to the server's pool is kept as that pool (once)."""
-        assert self.pool is not None
-        same = set(tensors) == set(self.pool) and all(torch.equal(tensors[k].to(self.pool[k].device), self.pool[k]) for k in tensors)
-        self.client_pools[name] = self.pool if same else {k: v.to(self.env.device) for k, v in tensors.items()}
+        """A client's copy of the shared dataset. In one process, a copy equal to the server's pool is kept as
+        that pool (once in memory); on its own node a client keeps what it received."""
+        same = (
+            self.pool is not None
+            and set(tensors) == set(self.pool)
+            and all(torch.equal(tensors[k].to(self.pool[k].device), self.pool[k]) for k in tensors)
+        )
+        self.client_pools[name] = self.pool if same and self.pool is not None else {k: v.to(self.env.device) for k, v in tensors.items()}
 
     # -------------------------------------------------------------- 3. federated learning
     def mixed_objective(self, rnd: int, client: Client) -> tuple[Objective, list[int]]:
@@ -535,34 +563,43 @@ class FedFed(FLMethod):
 
         return objective, used
 
-    def fl_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, losses, used = [], [], 0
-        for client in selected:
-            objective, count = self.mixed_objective(rnd, client)
-            st = self.fit(rnd, client, objective, parameters=client.model.classifier.parameters())
-            losses.append(st.loss)
-            used += count[0]
-            meta = {"num_samples": len(client.train_idx), "lr": self.cfg.lr, "arch": client.arch}
-            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model.classifier), meta)
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        self.global_classifier.load_state_dict(weighted_average(received))
-        self.broadcast(rnd, "model")
-        return {"train_loss": sum(losses) / max(len(losses), 1), "shared_rows_trained": float(used)}
+    def fl_client(self, rnd: int, client: Client) -> ClientReply:
+        """Client side of a federated round: the classifier on local + shared rows, uploaded."""
+        if client.name not in self.client_pools:
+            raise RuntimeError(f"fedfed: {client.name} reached the federated phase without a shared dataset")
+        objective, count = self.mixed_objective(rnd, client)
+        st = self.fit(rnd, client, objective, parameters=client.model.classifier.parameters())
+        meta = {"num_samples": len(client.train_idx), "lr": self.cfg.lr, "arch": client.arch}
+        msg = Message(rnd, client.name, "server", "model", module_tensors(client.model.classifier), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": st.loss, "shared_rows_trained": float(count[0])})
 
     # -------------------------------------------------------------- inference and state
     def predict(self, client: Client, x: Tensor) -> Tensor:
         """The distiller's classifier on clean images while distilling, then the FL classifier."""
         model = cast(FedFedModel, client.model)
-        return cast(Tensor, model.distiller.classifier(x) if self.phase == "distill" else model.classifier(x))
+        return cast(Tensor, model.classifier(x) if client.name in self.federated else model.distiller.classifier(x))
+
+    def client_state(self, client: Client) -> dict[str, Tensor]:
+        """Its phase, and its copy of the shared dataset unless it is the server's pool (one process holds both)."""
+        state = {**super().client_state(client), "fedfed.federated": torch.tensor(client.name in self.federated)}
+        own = self.client_pools.get(client.name)
+        if own is not None and own is not self.pool:
+            state.update({f"fedfed.pool.{k}": v for k, v in own.items()})
+        return state
+
+    def load_client_state(self, client: Client, state: dict[str, Tensor]) -> None:
+        super().load_client_state(client, state)
+        if bool(state.get("fedfed.federated", torch.tensor(False))):
+            self.federated.add(client.name)
+        own = {k.removeprefix("fedfed.pool."): v.to(self.env.device) for k, v in state.items() if k.startswith("fedfed.pool.")}
+        if own:
+            self.client_pools[client.name] = own
 
     def server_state(self) -> dict[str, Tensor]:
         state = {f"classifier.{k}": v for k, v in module_tensors(self.global_classifier).items()}
         state.update({f"distiller.{k}": v for k, v in module_tensors(self.global_distiller).items()})
         if self.pool is not None:
             state.update({f"pool.{k}": v for k, v in self.pool.items()})
-            for name, tensors in self.client_pools.items():  # a client's own copy only where it differs (a defense on the way down)
-                if tensors is not self.pool:
-                    state.update({f"pool@{name}.{k}": v for k, v in tensors.items()})
         return state
 
     def load_server_state(self, state: dict[str, Tensor]) -> None:
@@ -574,9 +611,9 @@ class FedFed(FLMethod):
         pool = part("pool.")
         self.pool = pool or None
         self.client_pools = {}
-        if self.pool is not None:
+        if self.pool is not None:  # in one process, each client's copy is the server's pool unless its client_state has its own
             for client in self.env.clients:
-                own = part(f"pool@{client.name}.")
+                own = part(f"pool@{client.name}.")  # (checkpoints written before client_state kept differing copies here)
                 self.client_pools[client.name] = own or self.pool
 
 
