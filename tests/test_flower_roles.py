@@ -36,6 +36,9 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
         ("fedmrl", ["--model-group", "cpu5", "--join-ratio", "0.5"]),
         ("fedfree", ["--model-group", "cpu5"]),
         ("fedfed", ["--width", "8", "--latent-dim", "16", "--distill-rounds", "1"]),
+        ("fedrep", [*HOMO, "--join-ratio", "0.5"]),
+        ("perfedavg", [*HOMO, "--eval", "both"]),
+        ("pfedla", [*HOMO, "--join-ratio", "0.5"]),
     ],
 )
 def test_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
@@ -46,5 +49,5 @@ def test_every_method_in_roles_is_covered() -> None:
     """A method newly written in roles must be added above (or to tests/test_flower.py)."""
     from privfl.methods import METHODS
 
-    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed"}
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed", "fedrep", "perfedavg", "pfedla"}
     assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered

@@ -68,7 +68,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext
 from privfl.methods.lgfedavg import average_heads
 from privfl.seeding import seed_global
 
@@ -167,10 +167,11 @@ class FedRep(FLMethod):
         self.broadcast_body(0, phase="setup")
 
     def broadcast_body(self, rnd: int, phase: str = "train") -> None:
-        """The global body to every client (one message each); each loads its copy under its own head."""
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", self.body, meta={"phase": phase})
-        for client in self.env.clients:
-            load_body(client.model, delivered[client.name].tensors)
+        """The global body to every client (one message each); each loads its copy under its own head (:meth:`receive`)."""
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", self.body, meta={"phase": phase}))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        load_body(client.model, msg.tensors)
 
     def train_client(self, rnd: int, client: Client) -> dict[str, float]:
         """The head phase with the body frozen, then the body phase with the head frozen."""
@@ -187,20 +188,20 @@ class FedRep(FLMethod):
         out["train_loss"] = out.get("body_loss", out.get("head_loss", float("nan")))  # the last phase's mean batch loss
         return out
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, parts = [], []
-        for client in selected:
-            parts.append(self.train_client(rnd, client))
-            n = len(client.train_idx)
-            steps = self.body_epochs * (n // self.cfg.batch_size if self.cfg.drop_last else -(-n // self.cfg.batch_size))
-            meta = {"arch": client.arch, "num_samples": n, "local_steps": steps}
-            msg = Message(rnd, client.name, "server", "model", body_state(client.model), meta)
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        # the server uses what it received (after defenses), nothing else
-        self.body = average_heads(received, self.opts.weighting)
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: head then body training, the body up."""
+        metrics = self.train_client(rnd, client)
+        n = len(client.train_idx)
+        steps = self.body_epochs * (n // self.cfg.batch_size if self.cfg.drop_last else -(-n // self.cfg.batch_size))
+        meta = {"arch": client.arch, "num_samples": n, "local_steps": steps}
+        msg = Message(rnd, client.name, "server", "model", body_state(client.model), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: the average of the received bodies (after defenses), to every client."""
+        self.body = average_heads(uploads, self.opts.weighting)
         self.broadcast_body(rnd)
-        keys = sorted({k for p in parts for k in p})
-        return {k: sum(p[k] for p in parts if k in p) / max(sum(k in p for p in parts), 1) for k in keys}
+        return {}
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return dict(self.body)

@@ -87,7 +87,7 @@ from torch.func import functional_call
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, GlobalModelServer, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
 from privfl.methods.lgfedavg import average_heads
 from privfl.methods.trainer import LocalStats, LocalTrainer, Objective
 from privfl.seeding import seed_global, torch_generator
@@ -222,29 +222,32 @@ class PerFedAvg(GlobalModelServer):
                     p.sub_(self.inner_lr * g)
         return {k: v.clone() for k, v in module_tensors(model).items()}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received: list[Message] = []
-        totals = {"train_loss": 0.0, "inner_loss": 0.0}
-        for client in selected:
-            stats = self.local_update(rnd, client)
-            for key, value in stats.as_dict().items():
-                totals[key] += value
-            meta = {
-                "arch": client.arch,
-                "num_samples": len(client.train_idx),
-                "lr": self.opts.beta,
-                "tau": stats.steps,
-                "inner_lr": self.inner_lr,
-                "variant": self.opts.variant,
-            }
-            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
-        # the server uses what it received (after defenses), nothing else
-        self.global_model.load_state_dict(average_heads(received, self.opts.weighting))
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: ``--local-epochs`` of meta steps, the model up."""
+        stats = self.local_update(rnd, client)
+        meta = {
+            "arch": client.arch,
+            "num_samples": len(client.train_idx),
+            "lr": self.opts.beta,
+            "tau": stats.steps,
+            "inner_lr": self.inner_lr,
+            "variant": self.opts.variant,
+        }
+        msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], stats.as_dict())
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: the average of what it received (after defenses), to every client."""
+        self.global_model.load_state_dict(average_heads(uploads, self.opts.weighting))
         self.broadcast(rnd)
-        # every client's personalised model, from the global model it now holds (evaluation only)
-        self.personal = {c.name: {"": self.adapted_state(rnd, c)} for c in self.env.clients}
-        return {k: v / max(len(selected), 1) for k, v in totals.items()}
+        return {}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: load the global model; after a round's broadcast, also make the personalised model
+        from it (evaluation only)."""
+        super().receive(client, msg)
+        if msg.meta.get("phase") != "setup":
+            self.personal[client.name] = {"": self.adapted_state(msg.round, client)}
 
 
 __all__ = ["PerFedAvg", "PerFedAvgOptions", "hessian_vector", "meta_objective", "split_batch"]

@@ -82,7 +82,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, load_module_tensors, module_tensors
 from privfl.seeding import seed_global
 
 
@@ -165,20 +165,20 @@ class PFedLA(FLMethod):
         super().__init__(env)
         from privfl.models import build_model
 
-        if [c.index for c in env.clients] != list(range(len(env.clients))):
-            raise ConfigError("pfedla needs clients numbered 0..N-1 in order (one weight column per client)")
+        n = self.cfg.num_clients
+        if any(not 0 <= c.index < n for c in env.clients):
+            raise ConfigError(f"pfedla needs clients numbered 0..{n - 1} (one weight column per client)")
         seed_global(self.cfg.seed, "init", "server-model")  # FedAvg's initial model
         initial = build_model(**env.clients[0].model.spec).to(env.device)
         self.layers = parameter_layers(initial)
         self.layer_of = {name: i for i, names in enumerate(self.layers.values()) for name in names}
         if self.opts.k > len(self.layers):
             raise ConfigError(f"pfedla: k = {self.opts.k} exceeds the model's {len(self.layers)} layers")
-        n = len(env.clients)
         #: theta_j: each client's last uploaded state, stacked (N, *shape) per state-dict entry
         self.stacked = {k: v.unsqueeze(0).repeat(n, *([1] * v.dim())).contiguous() for k, v in module_tensors(initial).items()}
         self.hypernets = []
-        for c in env.clients:
-            seed_global(self.cfg.seed, "init", "pfedla-hypernet", c.index)
+        for i in range(n):
+            seed_global(self.cfg.seed, "init", "pfedla-hypernet", i)
             self.hypernets.append(LayerWeightNet(n, len(self.layers), self.opts.embedding_dim, self.opts.hidden_dim).to(env.device))
 
     # -------------------------------------------------------------- aggregation
@@ -223,42 +223,42 @@ class PFedLA(FLMethod):
                     p.sub_(self.opts.hn_lr * g)
 
     def send_personalised(self, rnd: int, phase: str = "train") -> dict[str, float]:
-        """Each client its own theta_bar_i (one message each); each overwrites its model with its copy."""
+        """Each client its own theta_bar_i (one message each); each overwrites its model with its copy (:meth:`receive`)."""
         own = []
         for c in self.env.clients:
             with torch.no_grad():
                 alpha = self.weights(c.index)
                 tensors = self.aggregate(c.index, alpha)
             own.append(float(alpha[:, c.index].mean()))
-            delivered = self.send(Message(rnd, "server", c.name, "model", tensors, {"phase": phase}))
-            load_module_tensors(c.model, delivered.tensors)
+            self.deliver({c.name: self.send(Message(rnd, "server", c.name, "model", tensors, {"phase": phase}))})
         return {"self_weight": sum(own) / len(own)}
+
+    def receive(self, client: Client, msg: Message) -> None:
+        load_module_tensors(client.model, msg.tensors)
 
     # -------------------------------------------------------------- protocol
     def setup(self) -> None:
         self.send_personalised(0, "setup")
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received: list[Message] = []
-        losses = []
-        for client in selected:
-            stats = self.fit(rnd, client)  # plain CE from the theta_bar it received
-            losses.append(stats.loss)
-            meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
-            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
-            received.append(self.send(msg, {"indices": client.train_idx.cpu()}))
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: plain CE from the theta_bar it received, the model up."""
+        stats = self.fit(rnd, client)
+        meta = {"arch": client.arch, "num_samples": len(client.train_idx), "lr": self.cfg.lr, "tau": stats.steps}
+        msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], {"train_loss": stats.loss})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: HN steps from the uploads (which see the models of the last download), then the
+        uploads replace the stored models, then each client's theta_bar_i down."""
         index = {c.name: c.index for c in self.env.clients}
-        # the server uses what it received (after defenses), nothing else; HN steps see the models of
-        # the last download, then the uploads replace them
         if self.opts.hn_lr > 0:
-            for msg in received:
+            for msg in uploads:
                 self.update_hypernet(index[msg.sender], msg.tensors)
         with torch.no_grad():
-            for msg in received:
+            for msg in uploads:
                 for name, stack in self.stacked.items():
                     stack[index[msg.sender]] = msg.tensors[name].to(stack)
-        extra = self.send_personalised(rnd)
-        return {"train_loss": sum(losses) / max(len(losses), 1), **extra}
+        return self.send_personalised(rnd)
 
     def server_state(self) -> dict[str, torch.Tensor]:
         state = {f"theta.{k}": v for k, v in self.stacked.items()}
