@@ -31,7 +31,7 @@ from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
-from privfl.methods.base import EXPOSURES, global_test_indices
+from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
 from privfl.methods.trainer import LocalTrainer
 from privfl.run import Run, load_checkpoint_state, load_partition, read_checkpoint
 from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
@@ -358,6 +358,11 @@ class Trainer:
         engine plays its client side on the nodes instead."""
         self.method.run_setup()
 
+    def take_notes(self) -> list[dict[str, float]]:
+        """The metrics clients noted since the last call (:meth:`FLMethod.note`), in client order."""
+        notes, self.method.noted = self.method.noted, []
+        return [metrics for _, metrics in sorted(notes, key=lambda note: note[0])]  # stable: a client's notes in order
+
     def run(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
@@ -385,6 +390,9 @@ class Trainer:
             if self.knowledge_store is not None:
                 self.knowledge_store.flush()
             ev = self.evaluate()
+            notes = self.take_notes()
+            if notes:  # client-side metrics of this round noted outside client_round (e.g. FedALA's merge)
+                extra = {**extra, **mean_metrics(notes)}
             comm = summarize_comm(r for r in records if r.get("meta", {}).get("phase") != "setup")
             entry: dict[str, Any] = {
                 "round": rnd,

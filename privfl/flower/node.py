@@ -119,6 +119,13 @@ class ClientNode:
         context.state["privfl.model"] = tensors_record(self.client.model.state_dict())
         context.state["privfl.client"] = tensors_record(self.method.client_state(self.client))
 
+    def reply(self, msg: Message, context: Context, content: RecordDict) -> Message:
+        """The reply to ``msg``, with the metrics the method noted (:meth:`FLMethod.note`); the node's state saved."""
+        if self.method.noted:
+            put_json(content, "privfl.notes", [[index, metrics] for index, metrics in self.method.noted])
+        self.save(context)
+        return Message(content, reply_to=msg)
+
 
 def _hello(msg: Message, context: Context) -> Message:
     pid = context.node_config.get("partition-id")
@@ -151,8 +158,7 @@ def _gossip(msg: Message, context: Context) -> Message:
     node.apply_inbox(msg.content)
     content = RecordDict()
     _put_uploads(content, node.method.gossip_send(int(get_json(msg.content, "privfl.round")), node.client))
-    node.save(context)
-    return Message(content, reply_to=msg)
+    return node.reply(msg, context, content)
 
 
 def _put_knowledge(content: RecordDict, node: ClientNode) -> None:
@@ -171,8 +177,7 @@ def _client_setup(msg: Message, context: Context) -> Message:
     _put_uploads(content, node.method.client_setup(node.client))
     put_numbers(content, "privfl.metrics", {})
     _put_knowledge(content, node)
-    node.save(context)
-    return Message(content, reply_to=msg)
+    return node.reply(msg, context, content)
 
 
 def _step(msg: Message, context: Context) -> Message:
@@ -185,8 +190,7 @@ def _step(msg: Message, context: Context) -> Message:
     _put_uploads(content, node.method.client_step(rnd, node.client, step))
     put_numbers(content, "privfl.metrics", {})
     _put_knowledge(content, node)
-    node.save(context)
-    return Message(content, reply_to=msg)
+    return node.reply(msg, context, content)
 
 
 def _train(msg: Message, context: Context) -> Message:
@@ -203,8 +207,7 @@ def _train(msg: Message, context: Context) -> Message:
         metrics = reply.metrics
     put_numbers(content, "privfl.metrics", metrics)
     _put_knowledge(content, node)
-    node.save(context)
-    return Message(content, reply_to=msg)
+    return node.reply(msg, context, content)
 
 
 def _evaluate(msg: Message, context: Context) -> Message:
@@ -218,8 +221,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
             node.method, node.client, node.data, node.cfg.eval_batch_size, personal=bool(flag), union=node.union
         )
         put_json(out, f"hits.{int(bool(flag))}", [correct, total, global_hits])
-    node.save(context)
-    return Message(out, reply_to=msg)
+    return node.reply(msg, context, out)
 
 
 def defense_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:

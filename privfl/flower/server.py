@@ -68,6 +68,8 @@ class FlowerTrainer(Trainer):
         self.method.env.request = self._request
         self.grid = grid  # given in deployment (the SuperLink's ServerApp); simulation makes its own
         self.node_of: dict[int, int] = {}
+        #: metrics the nodes noted (FLMethod.note), with their client's index, until take_notes
+        self.notes: list[tuple[int, dict[str, float]]] = []
 
     def _queue(self, name: str, msg: PrivflMessage) -> None:
         self.outbox[name].append(msg)
@@ -111,6 +113,8 @@ class FlowerTrainer(Trainer):
                 who = f"client{client_of[node]}" if node in client_of else f"node {node}"
                 raise PrivflError(f"Flower {who} failed: {(reason[-1] if reason else 'no reason given')[:300]}")
             by_node[node] = reply.content
+            if "privfl.notes" in reply.content:
+                self.notes += [(int(index), metrics) for index, metrics in get_json(reply.content, "privfl.notes")]
         missing = {m.metadata.dst_node_id for m in messages} - set(by_node)
         if missing:
             raise PrivflError(f"{len(missing)} Flower node(s) did not reply")
@@ -211,6 +215,11 @@ class FlowerTrainer(Trainer):
             uploads += [self._send(*upload) for upload in self._uploads(c, replies[c.index])]
             self._finish(c, replies[c.index])
         return uploads
+
+    def take_notes(self) -> list[dict[str, float]]:
+        """What the nodes noted since the last call, in client order (as the in-process engine has them)."""
+        notes, self.notes = self.notes, []
+        return [metrics for _, metrics in sorted(notes, key=lambda note: note[0])]
 
     def play_setup(self) -> None:
         """The setup exchange: the server's :meth:`FLMethod.setup` here, each node's ``client_setup`` (only

@@ -242,6 +242,8 @@ class FLMethod:
         self.personal: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         #: this round's per-client instructions (:meth:`plan_round`), by client name
         self.plans: dict[str, dict[str, Any]] = {}
+        #: client-side metrics noted outside client_round (:meth:`note`), until the engine takes them
+        self.noted: list[tuple[int, dict[str, float]]] = []
         self.opts = env.opts
         self.cfg = env.cfg
         self.trainer = env.trainer if env.trainer is not None else LocalTrainer(env.cfg, env.data)
@@ -411,6 +413,13 @@ class FLMethod:
         """Client side: the messages of a further exchange the server asked for (:meth:`request`), each with
         its ground truth."""
         raise NotImplementedError(f"{type(self).__name__} has no client step {step!r}")
+
+    def note(self, client: Client, metrics: dict[str, float]) -> None:
+        """Client side: metrics of work a client does outside :meth:`client_round`, such as FedALA's merge of
+        a received model in :meth:`receive`. They join the metrics of the round in which the client
+        received the message (on Flower, a node reports them with its next reply): per-key means over the
+        notes, in client order."""
+        self.noted.append((client.index, dict(metrics)))
 
     def plan(self, client: Client) -> dict[str, Any]:
         """Client side: this round's instructions from :meth:`plan_round` ({} when none)."""

@@ -54,8 +54,10 @@ the paper's first author) decides:
 - **Model mode.** The merged model is in train mode while W learns (PFLlib deep-copies the model left
   in train mode by local training); W is learned through the shared :class:`LocalTrainer` loop (a
   projected-SGD optimizer on W alone, every model parameter frozen), seeded per (round, client).
-- **State.** W (one tensor per mixed parameter) is kept per client in :meth:`server_state` under
-  ``ala/CLIENT/NAME``; a client with a stored W has finished its first, converging ALA.
+- **State.** W (one tensor per mixed parameter) is the client's own: ALA runs where the client receives
+  the global model (:meth:`receive`), and W is kept in its :meth:`client_state` under ``ala/NAME``
+  (checkpoints, a Flower node's state); a client with a stored W has finished its first, converging ALA.
+  ``ala_epochs`` is reported by each client with :meth:`note` and averaged over the clients.
 """
 
 from __future__ import annotations
@@ -70,13 +72,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, module_tensors
+from privfl.methods.base import METHODS, Client
 from privfl.methods.fedrep import frozen
 from privfl.methods.simple import FedAvg
 from privfl.seeding import numpy_rng
 
-#: server_state keys of the per-client ALA weights: ``ala/CLIENT/PARAMETER``
+#: client_state keys of a client's ALA weights: ``ala/PARAMETER`` (older checkpoints: server state ``ala/CLIENT/PARAMETER``)
 STATE_PREFIX = "ala/"
 
 
@@ -145,9 +148,8 @@ class FedALA(FedAvg):
 
     def __init__(self, env):
         super().__init__(env)
-        #: client name -> {parameter name: W}; present once the client's first ALA has converged
+        #: client side: client name -> {parameter name: W}; present once the client's first ALA has converged
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
-        self.ala_epochs: list[int] = []
 
     def mixed_names(self, model: nn.Module) -> list[str]:
         """The top ``layer_idx`` parameter tensors ALA mixes (all of them for 0)."""
@@ -155,13 +157,13 @@ class FedALA(FedAvg):
         k = self.opts.layer_idx
         return names if k == 0 else names[-k:]
 
-    def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """The global model to every client; at setup each loads it, afterwards each merges it by ALA."""
-        if phase == "setup":
-            super().broadcast(rnd, phase)
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: the setup model is loaded; every later global model is merged by ALA, whose epochs
+        the client reports (``ala_epochs``, the mean over clients, in the round of the broadcast)."""
+        if msg.meta.get("phase") == "setup":
+            super().receive(client, msg)
             return
-        delivered = self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase})
-        self.ala_epochs = [self.adaptive_local_aggregation(rnd, client, delivered[client.name].tensors) for client in self.env.clients]
+        self.note(client, {"ala_epochs": float(self.adaptive_local_aggregation(msg.round, client, msg.tensors))})
 
     def ala_sample(self, rnd: int, client: Client) -> torch.Tensor:
         """A seeded random ``rand_percent``% of the client's train indices (at least one), in stored order."""
@@ -214,21 +216,21 @@ class FedALA(FedAvg):
         model.load_state_dict({**glob, **result})  # buffers back to the global values (W learning ran in train mode)
         return len(losses)
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        out = super().run_round(rnd, selected)  # local training, uploads, FedAvg, then broadcast() runs ALA
-        out["ala_epochs"] = float(np.mean(self.ala_epochs)) if self.ala_epochs else 0.0
-        return out
-
-    def server_state(self) -> dict[str, torch.Tensor]:
-        state = super().server_state()
-        for client, weights in self.weights.items():
-            state.update({f"{STATE_PREFIX}{client}/{n}": w for n, w in weights.items()})
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        """Its ALA weights W beside its model (once learned)."""
+        state = super().client_state(client)
+        state.update({f"{STATE_PREFIX}{n}": w for n, w in self.weights.get(client.name, {}).items()})
         return state
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        weights = {k.removeprefix(STATE_PREFIX): v.to(self.env.device) for k, v in state.items() if k.startswith(STATE_PREFIX)}
+        if weights:
+            self.weights[client.name] = weights
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         super().load_server_state({k: v for k, v in state.items() if not k.startswith(STATE_PREFIX)})
-        self.weights = {}
-        for key, value in state.items():
+        for key, value in state.items():  # checkpoints written before W moved to each client's state kept it here
             if key.startswith(STATE_PREFIX):
                 client, name = key.removeprefix(STATE_PREFIX).split("/", 1)
                 self.weights.setdefault(client, {})[name] = value.to(self.env.device)
