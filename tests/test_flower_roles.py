@@ -40,6 +40,8 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
         ("perfedavg", [*HOMO, "--eval", "both"]),
         ("pfedla", [*HOMO, "--join-ratio", "0.5"]),
         ("fedala", [*HOMO, "--join-ratio", "0.5"]),
+        ("fml", ["--model-group", "cpu5", "--join-ratio", "0.5"]),
+        ("fedapen", ["--model-group", "cpu5", "--join-ratio", "0.5"]),
     ],
 )
 def test_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
@@ -50,5 +52,5 @@ def test_every_method_in_roles_is_covered() -> None:
     """A method newly written in roles must be added above (or to tests/test_flower.py)."""
     from privfl.methods import METHODS
 
-    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed", "fedrep", "perfedavg", "pfedla", "fedala"}
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed", "fedrep", "perfedavg", "pfedla", "fedala", "fml", "fedapen"}
     assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered

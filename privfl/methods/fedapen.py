@@ -76,8 +76,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, LeakageContext, ModelRequest
+from privfl.methods.base import METHODS, Client, ClientReply, LeakageContext, ModelRequest
 from privfl.methods.fml import SHARED_ARCHS, MutualLearningServer, build_shared_model, clip_parts, mutual_loss
 from privfl.models.split import SplitModel
 from privfl.seeding import torch_generator
@@ -203,6 +204,11 @@ class FedAPEN(MutualLearningServer):
         shared = build_shared_model(req)  # overwritten by the setup broadcast
         return FedAPENModel(local, shared, req.opts.lambda_init, req.opts.mix)
 
+    def __init__(self, env):
+        super().__init__(env)
+        #: client side: the round each client last trained in
+        self.trained_in: dict[str, int] = {}
+
     def split(self, client: Client) -> tuple[Tensor, Tensor]:
         """(samples trained on, held-out samples for lambda) of the client's training split: a fixed seeded
         subset of ``round(fraction * n)`` samples, at least 1 and at most n - 1; no hold-out (both the
@@ -265,21 +271,32 @@ class FedAPEN(MutualLearningServer):
         model.shared_weight.fill_(lam)
         return lam
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, stats, held = [], [], {}
-        for client in selected:
-            train_idx, held[client.name] = self.split(client)
-            out = self.train_client(rnd, client, train_idx)
-            stats.append(out)
-            received.append(self.upload(rnd, client, train_idx, int(out["steps"])))
-        self.aggregate(received)
-        self.broadcast(rnd)
-        for client in selected:
-            self.fit_lambda(rnd, client, held[client.name])
-        keys = ("loss", "loss_local", "loss_shared", "ce_ensemble")
-        mean = {k: sum(s[k] for s in stats) / max(len(stats), 1) for k in keys}
-        weights = [float(c.model.shared_weight) for c in self.env.clients]
-        return {"train_loss": mean.pop("loss"), **mean, "shared_weight": sum(weights) / len(weights)}
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: mutual + ensemble learning on its samples minus the held-out ones, the shared model up."""
+        train_idx, _ = self.split(client)
+        out = self.train_client(rnd, client, train_idx)
+        self.trained_in[client.name] = rnd
+        metrics = {"train_loss": out["loss"], **{k: out[k] for k in ("loss_local", "loss_shared", "ce_ensemble")}}
+        return ClientReply([self.upload(rnd, client, train_idx, int(out["steps"]))], metrics)
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: load the global shared model; after a round in which it trained, fit lambda on its
+        held-out samples with it. Every client reports its lambda (``shared_weight``, the mean over clients)."""
+        super().receive(client, msg)
+        if msg.meta.get("phase") == "setup":
+            return
+        if self.trained_in.get(client.name) == msg.round:
+            self.fit_lambda(msg.round, client, self.split(client)[1])
+        self.note(client, {"shared_weight": float(client.model.shared_weight)})
+
+    def client_state(self, client: Client) -> dict[str, Tensor]:
+        """The round it last trained in (lambda is fitted when that round's broadcast arrives)."""
+        return {**super().client_state(client), "fedapen.trained_in": torch.tensor(self.trained_in.get(client.name, -1))}
+
+    def load_client_state(self, client: Client, state: dict[str, Tensor]) -> None:
+        super().load_client_state(client, state)
+        if "fedapen.trained_in" in state:
+            self.trained_in[client.name] = int(state["fedapen.trained_in"])
 
     def predict(self, client: Client, x: Tensor) -> Tensor:
         return client.model(x)

@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.models.fedmrl_zoo import CNN_TABLE, FC2_DIM, MRLConvNet
 from privfl.models.split import SplitModel
@@ -204,13 +204,14 @@ class MutualLearningServer(FLMethod):
         self.broadcast(0, "setup")
 
     def broadcast(self, rnd: int, phase: str = "train") -> None:
-        """Send the global shared model to every client; each loads its delivered copy into its shared part."""
-        delivered = self.channel.broadcast(rnd, self.client_names(), "shared_model", module_tensors(self.global_shared), meta={"phase": phase})
-        for client in self.env.clients:
-            load_module_tensors(self.shared(client), delivered[client.name].tensors)
+        """Send the global shared model to every client; each loads its copy into its shared part (:meth:`receive`)."""
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), "shared_model", module_tensors(self.global_shared), meta={"phase": phase}))
 
-    def upload(self, rnd: int, client: Client, trained_on: Tensor, steps: int) -> Message:
-        """The client's shared model after local training, as the server received it (after defenses)."""
+    def receive(self, client: Client, msg: Message) -> None:
+        load_module_tensors(self.shared(client), msg.tensors)
+
+    def upload(self, rnd: int, client: Client, trained_on: Tensor, steps: int) -> tuple[Message, dict[str, Tensor]]:
+        """Client side: its shared model after local training, with the ids of the samples it trained on."""
         meta: dict[str, Any] = {
             "num_samples": len(trained_on),
             "lr": self.cfg.lr,
@@ -223,7 +224,7 @@ class MutualLearningServer(FLMethod):
             "shared_arch": self.shared_arch(),
         }
         msg = Message(rnd, client.name, "server", "shared_model", module_tensors(self.shared(client)), meta)
-        return self.send(msg, {"indices": trained_on.cpu()})
+        return msg, {"indices": trained_on.cpu()}
 
     def shared_arch(self) -> str:
         template = self.global_shared
@@ -232,6 +233,12 @@ class MutualLearningServer(FLMethod):
     def aggregate(self, received: list[Message]) -> None:
         """theta = sum_k (n_k / n) theta_k over what the server received (never the clients' own models)."""
         self.global_shared.load_state_dict(weighted_average(received))
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: the sample-weighted average of the received shared models, to every client."""
+        self.aggregate(uploads)
+        self.broadcast(rnd)
+        return {}
 
     def server_state(self) -> dict[str, Tensor]:
         return {f"{self.shared_part}.{k}": v for k, v in module_tensors(self.global_shared).items()}
@@ -280,17 +287,11 @@ class FML(MutualLearningServer):
         stats = self.fit(rnd, client, objective, before_step=lambda m: clip_parts((m.local, m.meme), o.grad_clip))
         return {**stats.as_dict("loss"), "steps": stats.steps}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received, stats = [], []
-        for client in selected:
-            out = self.train_client(rnd, client)
-            stats.append(out)
-            received.append(self.upload(rnd, client, client.train_idx, int(out["steps"])))
-        self.aggregate(received)
-        self.broadcast(rnd)
-        keys = ("loss", "loss_local", "loss_meme", "ce_local", "ce_meme")
-        mean = {k: sum(s[k] for s in stats) / max(len(stats), 1) for k in keys}
-        return {"train_loss": mean.pop("loss"), **mean}
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: mutual learning, then the meme model up."""
+        out = self.train_client(rnd, client)
+        metrics = {"train_loss": out["loss"], **{k: out[k] for k in ("loss_local", "loss_meme", "ce_local", "ce_meme")}}
+        return ClientReply([self.upload(rnd, client, client.train_idx, int(out["steps"]))], metrics)
 
     def predict(self, client: Client, x: Tensor) -> Tensor:
         return client.model.infer(x, self.opts.inference)
