@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, class_prototypes
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes
 
 DISTILL_LOSSES = ("soft_ce", "raw_ce", "mse")
 
@@ -165,8 +165,10 @@ class FD(FLMethod):
     def __init__(self, env):
         super().__init__(env)
         c = env.num_classes
-        # what each client last received: global logits (C, C) and which classes they exist for (C,)
+        # client side: what each client last received: global logits (C, C) and which classes they exist for (C,)
         self.received = {cl.name: (torch.zeros(c, c, device=env.device), torch.zeros(c, dtype=torch.bool, device=env.device)) for cl in env.clients}
+        #: client side: the round of each client's last delivery (None: a checkpoint that predates this, trusted as is)
+        self.received_in: dict[str, int | None] = {}
 
     def objective(self, client: Client, acc: LogitAccumulator | None) -> Callable[..., Any]:
         """CE + lambda * distillation towards the client's global logits; feeds ``acc`` when collecting during training."""
@@ -197,50 +199,67 @@ class FD(FLMethod):
         msg = logits_message(rnd, client.name, "server", classes, logits, {"arch": client.arch})
         return stats.loss, stats.parts.get("distill", 0.0), msg
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        received: dict[str, Message] = {}
-        losses, distills = [], []
-        for client in selected:
-            loss, distill, msg = self.upload(rnd, client)
-            losses.append(loss)
-            distills.append(distill)
-            truth = {"indices": client.train_idx.cpu(), "labels": self.env.data.labels[client.train_idx].cpu()}
-            received[client.name] = self.send(msg, truth=truth)
-        sums, holders = aggregate_logits(list(received.values()), self.env.num_classes)
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: local training towards the global logits of the last round (each delivery replaces the
+        previous one, as HtFLlib; a client the last round sent nothing distils towards nothing), then its
+        per-class average logits up."""
+        last = self.received_in.get(client.name, -1)
+        if last is not None and last != rnd - 1:
+            self.received[client.name][1].zero_()
+        loss, distill, msg = self.upload(rnd, client)
+        truth = {"indices": client.train_idx.cpu(), "labels": self.env.data.labels[client.train_idx].cpu()}
+        return ClientReply([(msg, truth)], {"train_loss": loss, "distill_loss": distill})
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side: per-class averages of the received logits, to every client (or, with ``others``, each
+        client's average without its own upload, to the clients for which it holds any class)."""
+        received = {msg.sender: msg for msg in uploads}
+        sums, holders = aggregate_logits(uploads, self.env.num_classes)
         if self.opts.global_logits == "all":
             classes, logits = global_logits(sums, holders)
-            delivered = self.channel.broadcast(rnd, self.client_names(), "logits", {"logits": logits, "classes": classes}, aux=("classes",))
-        else:  # leave-one-out: each client's own upload is taken out of its average
-            delivered = {}
-            for name in self.client_names():
-                own = received.get(name)
-                s, h = sums.clone(), holders.clone()
-                if own is not None:
-                    cls = own.tensors["classes"].to(s.device)
-                    s.index_add_(0, cls, -own.tensors["logits"].to(s.device).double())
-                    h.index_add_(0, cls, -torch.ones_like(cls))
-                classes, logits = global_logits(s, h)
-                if len(classes):
-                    delivered[name] = self.send(logits_message(rnd, "server", name, classes, logits))
-        for name, (target, known) in self.received.items():
-            known.zero_()  # each delivery replaces the previous one (HtFLlib)
-            if name in delivered:
-                cls = delivered[name].tensors["classes"].to(known.device)
-                target[cls] = delivered[name].tensors["logits"].to(target)
-                known[cls] = True
-        n = max(len(losses), 1)
-        return {"train_loss": sum(losses) / n, "distill_loss": sum(distills) / n}
+            self.deliver(self.channel.broadcast(rnd, self.client_names(), "logits", {"logits": logits, "classes": classes}, aux=("classes",)))
+            return {}
+        for name in self.client_names():  # leave-one-out: each client's own upload is taken out of its average
+            own = received.get(name)
+            s, h = sums.clone(), holders.clone()
+            if own is not None:
+                cls = own.tensors["classes"].to(s.device)
+                s.index_add_(0, cls, -own.tensors["logits"].to(s.device).double())
+                h.index_add_(0, cls, -torch.ones_like(cls))
+            classes, logits = global_logits(s, h)
+            if len(classes):
+                self.deliver({name: self.send(logits_message(rnd, "server", name, classes, logits))})
+        return {}
 
-    def server_state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, (target, known) in self.received.items():
-            out[f"{name}.logits"], out[f"{name}.known"] = target, known
-        return out
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: the delivered logits replace what it held."""
+        target, known = self.received[client.name]
+        known.zero_()
+        cls = msg.tensors["classes"].to(known.device)
+        target[cls] = msg.tensors["logits"].to(target)
+        known[cls] = True
+        self.received_in[client.name] = msg.round
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        target, known = self.received[client.name]
+        last = self.received_in.get(client.name, -1)
+        return {**super().client_state(client), "fd.logits": target, "fd.known": known, "fd.received_in": torch.tensor(-2 if last is None else last)}
+
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        if "fd.logits" in state:
+            target, known = self.received[client.name]
+            target.copy_(state["fd.logits"])
+            known.copy_(state["fd.known"])
+            last = int(state["fd.received_in"])
+            self.received_in[client.name] = None if last == -2 else last
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name, (target, known) in self.received.items():
-            target.copy_(state[f"{name}.logits"])
-            known.copy_(state[f"{name}.known"])
+        for name, (target, known) in self.received.items():  # checkpoints written before this state was the clients'
+            if f"{name}.logits" in state:
+                target.copy_(state[f"{name}.logits"])
+                known.copy_(state[f"{name}.known"])
+                self.received_in[name] = None
 
 
 __all__ = ["FD", "FDOptions", "LogitAccumulator", "aggregate_logits", "class_mean_logits", "distill_term", "global_logits", "logits_message"]
