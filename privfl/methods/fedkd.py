@@ -97,7 +97,7 @@ from privfl.codecs import CONV_SVD, svd_aux, svd_encode
 from privfl.config import opt
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest
 from privfl.models.split import SplitModel
 from privfl.seeding import seed_global
 
@@ -247,10 +247,11 @@ class FedKD(FLMethod):
 
     def broadcast_mentee(self, rnd: int, tensors: dict[str, Tensor], energy: float, phase: str) -> None:
         meta = {"phase": phase, "energy": energy, "conv_svd": self.opts.conv_svd}
-        delivered = self.channel.broadcast(rnd, self.client_names(), KIND, tensors, meta=meta, aux=svd_aux(tensors))
-        spec = KINDS.get(KIND)
-        for client in self.env.clients:
-            load_mentee(client.model, spec.dense(delivered[client.name].tensors))
+        self.deliver(self.channel.broadcast(rnd, self.client_names(), KIND, tensors, meta=meta, aux=svd_aux(tensors)))
+
+    def receive(self, client: Client, msg: Message) -> None:
+        """Client side: the decoded global mentee replaces its own."""
+        load_mentee(client.model, KINDS.get(KIND).dense(msg.tensors))
 
     def setup(self) -> None:
         """The server's initial mentee to every client, every singular value kept (energy 1)."""
@@ -294,33 +295,27 @@ class FedKD(FLMethod):
         stats = self.fit(rnd, client, objective, optimizer=optimizer, before_step=clip)
         return {**stats.as_dict("loss"), "steps": stats.steps}
 
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    def client_round(self, rnd: int, client: Client) -> ClientReply:
+        """Client side: mutual distillation, then its mentee SVD-compressed at this round's energy, up."""
         energy = self.energy(rnd)
-        received, stats = [], []
-        for client in selected:
-            out = self.train_client(rnd, client)
-            stats.append(out)
-            tensors = svd_encode(mentee_parameters(client.model), energy, conv=self.opts.conv_svd)
-            meta = {
-                "num_samples": len(client.train_idx),
-                "lr": self.opts.mentee_lr,
-                "energy": energy,
-                "local_steps": int(out["steps"]),
-                "conv_svd": self.opts.conv_svd,
-            }
-            msg = Message(rnd, client.name, "server", KIND, tensors, meta, svd_aux(tensors))
-            received.append(self.send(msg, truth={"indices": client.train_idx.cpu()}))
-        # the server uses only what it received: decode, average, re-compress at this round's threshold
-        self.broadcast_mentee(rnd, svd_encode(average(received, self.opts.weighting), energy, conv=self.opts.conv_svd), energy, "train")
-        mean = lambda key: sum(s[key] for s in stats) / max(len(stats), 1)  # noqa: E731
-        return {
-            "train_loss": mean("loss"),
-            "ce_mentor": mean("ce_mentor"),
-            "ce_mentee": mean("ce_mentee"),
-            "kd": mean("kd"),
-            "hidden": mean("hidden"),
+        out = self.train_client(rnd, client)
+        tensors = svd_encode(mentee_parameters(client.model), energy, conv=self.opts.conv_svd)
+        meta = {
+            "num_samples": len(client.train_idx),
+            "lr": self.opts.mentee_lr,
             "energy": energy,
+            "local_steps": int(out["steps"]),
+            "conv_svd": self.opts.conv_svd,
         }
+        msg = Message(rnd, client.name, "server", KIND, tensors, meta, svd_aux(tensors))
+        metrics = {"train_loss": out["loss"], **{k: out[k] for k in ("ce_mentor", "ce_mentee", "kd", "hidden")}}
+        return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)
+
+    def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
+        """Server side, from what it received only: decode, average, re-compress at this round's threshold, broadcast."""
+        energy = self.energy(rnd)
+        self.broadcast_mentee(rnd, svd_encode(average(uploads, self.opts.weighting), energy, conv=self.opts.conv_svd), energy, "train")
+        return {"energy": energy}
 
     def predict(self, client: Client, x: Tensor) -> Tensor:
         return client.model.local(x)
