@@ -75,7 +75,6 @@ Decisions where the paper is open or its code differs:
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -229,7 +228,7 @@ class DisPFL(FLMethod):
     def __init__(self, env):
         super().__init__(env)
         self.topology: Graph = env.topology if isinstance(env.topology, Graph) else self.build_topology(self.cfg, self.opts)
-        n = len(env.clients)
+        n = self.cfg.num_clients  # per-node bookkeeping, indexed by client (a Flower node holds one client)
         params = dict(env.clients[0].model.named_parameters())
         o = self.opts
         shapes = {k: tuple(p.shape) for k, p in params.items()}
@@ -246,7 +245,7 @@ class DisPFL(FLMethod):
             self.masks[c.index] = mask
             self.sent_masks[c.index] = {k: v.clone() for k, v in mask.items()}
             apply_masks(c.model, mask)
-        if sum(int(m.sum()) for m in self.masks[0].values()) == 0:
+        if sum(int(m.sum()) for m in self.masks[env.clients[0].index].values()) == 0:
             raise ConfigError(f"dispfl: --density {o.density} keeps no weight of this model")
         self.last_trained = torch.full((n,), -1, dtype=torch.int64)
         self.trained_from = torch.full((n,), -1, dtype=torch.int64)
@@ -269,39 +268,45 @@ class DisPFL(FLMethod):
             "density": sum(int(m.sum()) for m in self.sent_masks[i].values()) / sum(m.numel() for m in self.sent_masks[i].values()),
         }
 
-    # ------------------------------------------------------------------ rounds
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        clients = self.env.clients
+    # ------------------------------------------------------------------ rounds, as gossip
+    def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Its sparse model as it stands after round t-1, to each out-neighbour of round t."""
+        own = self.sparse_state(client)
+        truth = {"indices": client.train_idx.cpu()} if int(self.last_trained[client.index]) >= 0 else None
+        meta = self._meta(client)
+        outs = sorted(self.topology.out_neighbors(client.index, rnd))
+        return [(Message(rnd, client.name, f"client{r}", KIND, own, dict(meta), sparse_aux(own)), truth) for r in outs]
+
+    def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
+        """Aggregate over the covering masks (its own state and what it received), mask, train, evolve the mask."""
         spec = KINDS.get(KIND)
-        own = {c.index: self.sparse_state(c) for c in selected}  # each node's state after round t-1, as it is sent
-        inbox: dict[int, list[Message]] = defaultdict(list)
-        for s, r in self.topology.edges(rnd):
-            sender = clients[s]
-            truth = {"indices": sender.train_idx.cpu()} if int(self.last_trained[s]) >= 0 else None
-            msg = Message(rnd, sender.name, clients[r].name, KIND, own[s], self._meta(sender), sparse_aux(own[s]))
-            inbox[r].append(self.send(msg, truth=truth))
-        losses, changed, sent = [], [], []
-        for c in selected:
-            i, got = c.index, inbox.get(c.index, [])
-            states = [(spec.dense(t), sparse_masks(t)) for t in (own[i], *(m.tensors for m in got))]
-            aggregate = aggregate_sparse(states)
-            with torch.no_grad():
-                for k, p in c.model.named_parameters():
-                    p.copy_((aggregate[k].to(p.device) * self.masks[i][k]).to(p.dtype))
-            self.sent_masks[i] = {k: v.clone() for k, v in self.masks[i].items()}
-            self.trained_from[i] = rnd if got else -1
-            losses.append(self.train_client(rnd, c))
-            self.last_trained[i] = rnd
-            if self.opts.mask_evolution:
-                before = self.masks[i]
-                self.masks[i] = self.evolved_masks(rnd, c)
-                flips = sum(int((before[k] != self.masks[i][k]).sum()) for k in before)
-                changed.append(flips / sum(m.numel() for m in before.values()))
-            sent += [m.paper_scalars for m in got]
-        live = [c.index for c in selected]
-        out = {"train_loss": sum(losses) / max(len(losses), 1), "live_nodes": float(len(live))}
-        out["sparse_scalars"] = float(sum(sent) / len(sent)) if sent else 0.0
-        out["density"] = float(np.mean([self.density_of(i) for i in live])) if live else 0.0
+        i = client.index
+        states = [(spec.dense(t), sparse_masks(t)) for t in (self.sparse_state(client), *(m.tensors for m in received))]
+        aggregate = aggregate_sparse(states)
+        with torch.no_grad():
+            for k, p in client.model.named_parameters():
+                p.copy_((aggregate[k].to(p.device) * self.masks[i][k]).to(p.dtype))
+        self.sent_masks[i] = {k: v.clone() for k, v in self.masks[i].items()}
+        self.trained_from[i] = rnd if received else -1
+        row = {"train_loss": self.train_client(rnd, client)}
+        self.last_trained[i] = rnd
+        if self.opts.mask_evolution:
+            before = self.masks[i]
+            self.masks[i] = self.evolved_masks(rnd, client)
+            flips = sum(int((before[k] != self.masks[i][k]).sum()) for k in before)
+            row["mask_changed"] = flips / sum(m.numel() for m in before.values())
+        row["received_scalars"] = float(sum(m.paper_scalars for m in received))
+        row["received_messages"] = float(len(received))
+        row["density"] = self.density_of(i)
+        return row
+
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Mean loss, the live count, the mean sparse message received, the mean density and mask change."""
+        out = {"train_loss": sum(r["train_loss"] for r in rows) / max(len(rows), 1), "live_nodes": float(len(rows))}
+        messages = sum(int(r["received_messages"]) for r in rows)
+        out["sparse_scalars"] = float(sum(int(r["received_scalars"]) for r in rows) / messages) if messages else 0.0
+        out["density"] = float(np.mean([r["density"] for r in rows])) if rows else 0.0
+        changed = [r["mask_changed"] for r in rows if "mask_changed" in r]
         if changed:
             out["mask_changed"] = float(np.mean(changed))
         out["drop_rate"] = drop_rate(rnd, self.cfg.rounds, self.opts.anneal_factor) if self.opts.mask_evolution else 0.0
@@ -351,16 +356,31 @@ class DisPFL(FLMethod):
             out[k] = evolve_mask(self.masks[client.index][k], p, rate, None if grads is None else grads[k], gen)
         return out
 
-    # ------------------------------------------------------------------ checkpoint
-    def server_state(self) -> dict[str, torch.Tensor]:
-        """Not a server: each node's two masks (next, and the one its weights were trained under) and bookkeeping."""
-        state = {"last_trained": self.last_trained.clone(), "trained_from": self.trained_from.clone(), "steps": self.steps.clone()}
-        for i in self.masks:
-            state.update({f"mask.{i}.{k}": v.cpu().clone() for k, v in self.masks[i].items()})
-            state.update({f"sent.{i}.{k}": v.cpu().clone() for k, v in self.sent_masks[i].items()})
+    # ------------------------------------------------------------------ state
+    _NODE_STATE = ("last_trained", "trained_from", "steps")
+
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        """A node's two masks (the next, and the one its weights were trained under) and its bookkeeping."""
+        i = client.index
+        state = {**super().client_state(client), **{f"dispfl.{k}": getattr(self, k)[i : i + 1].clone() for k in self._NODE_STATE}}
+        state.update({f"dispfl.mask.{k}": v for k, v in self.masks[i].items()})
+        state.update({f"dispfl.sent.{k}": v for k, v in self.sent_masks[i].items()})
         return state
 
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        i, device = client.index, self.env.device
+        if f"dispfl.{self._NODE_STATE[0]}" not in state:
+            return
+        for k in self._NODE_STATE:
+            getattr(self, k)[i] = state[f"dispfl.{k}"].cpu()[0]
+        self.masks[i] = {k: state[f"dispfl.mask.{k}"].to(device).bool() for k in self.masks[i]}
+        self.sent_masks[i] = {k: state[f"dispfl.sent.{k}"].to(device).bool() for k in self.sent_masks[i]}
+
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Checkpoints written before the masks were each node's client state kept them here."""
+        if "last_trained" not in state:
+            return
         self.last_trained = state["last_trained"].cpu().clone()
         self.trained_from = state["trained_from"].cpu().clone()
         self.steps = state["steps"].cpu().clone()
