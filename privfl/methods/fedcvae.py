@@ -308,28 +308,32 @@ class Fedcvae(FLMethod):
         self.topology: Graph = env.topology if isinstance(env.topology, Graph) else self.build_topology(self.cfg, self.opts)
         self.pretrain_rounds = pretrain_rounds(self.cfg.rounds, self.opts.pretrain_fraction)
 
-    # ------------------------------------------------------------------ rounds
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
+    # ------------------------------------------------------------------ rounds, as gossip
+    def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Local training first (its losses are noted: :meth:`note`), then, while pretraining, g_phi to each
+        out-neighbour of the round's graph."""
         pretraining = rnd < self.pretrain_rounds
-        stats = [self.train_client(rnd, c, pretraining) for c in selected]
-        size = 0
-        if pretraining:
-            # every live node has trained; each sends its g_phi along every live edge, then all mix at once
-            inbox: dict[int, list[dict[str, torch.Tensor]]] = {c.index: [] for c in selected}
-            for s, r in self.topology.edges(rnd):
-                got = self.send_prior(rnd, self.env.clients[s], self.env.clients[r])
-                inbox[r].append({k.removeprefix(PRIOR_PREFIX): v for k, v in got.tensors.items()})
-                size = got.paper_scalars
-            for c in selected:
-                if inbox[c.index]:
-                    self.mix(c, inbox[c.index])
-        out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if stats else {}
-        out["pretraining"] = float(pretraining)
-        out["prior_scalars"] = float(size)
-        out["live_nodes"] = float(len(selected))
-        return out
+        self.note(client, self.train_client(rnd, client, pretraining))
+        if not pretraining:
+            return []
+        return [self.prior_message(rnd, client, f"client{r}") for r in sorted(self.topology.out_neighbors(client.index, rnd))]
 
-    def send_prior(self, rnd: int, sender: Client, receiver: Client) -> Message:
+    def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
+        """Mix what it received into its g_phi (all nodes mix at once, after every node has sent)."""
+        if received:
+            self.mix(client, [{k.removeprefix(PRIOR_PREFIX): v for k, v in m.tensors.items()} for m in received])
+        return {"prior_scalars": float(max([0, *(m.paper_scalars for m in received)]))}
+
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Whether the round pretrained, the g_phi message size (the largest received), the live count; the
+        training losses come as the nodes' notes."""
+        return {
+            "pretraining": float(rnd < self.pretrain_rounds),
+            "prior_scalars": max([0.0, *(r["prior_scalars"] for r in rows)]),
+            "live_nodes": float(len(rows)),
+        }
+
+    def prior_message(self, rnd: int, sender: Client, receiver: str) -> tuple[Message, dict[str, torch.Tensor]]:
         """One peer message of g_phi after the sender's local training (truth: its training samples)."""
         # the state it trained from was mixed at the end of round rnd-1 if it received anything then
         prev = rnd - 1 if rnd > 0 and self.topology.in_neighbors(sender.index, rnd - 1) else -1
@@ -340,8 +344,8 @@ class Fedcvae(FLMethod):
             "batch_size": self.cfg.batch_size,
             "previous_round": prev,
         }
-        msg = Message(rnd, sender.name, receiver.name, "shared_model", prior_tensors(sender.model), meta)
-        return self.send(msg, {"indices": sender.train_idx.cpu()})
+        msg = Message(rnd, sender.name, receiver, "shared_model", prior_tensors(sender.model), meta)
+        return msg, {"indices": sender.train_idx.cpu()}
 
     @torch.no_grad()
     def mix(self, client: Client, received: list[dict[str, torch.Tensor]]) -> None:
