@@ -325,12 +325,14 @@ class Trainer:
 
     @property
     def global_test_idx(self) -> torch.Tensor | None:
-        """``--global-test N``: a fixed seeded subset of the union of the clients' test sets (DRDFL's
-        Global-T set, spec §3.3: "the union of all clients' local test data"), the same every round."""
-        if self.cfg.global_test <= 0:
+        """``--global-test N`` (or the method's :meth:`FLMethod.global_test_size`): a fixed seeded subset of the
+        union of the clients' test sets (DRDFL's Global-T set, spec §3.3: "the union of all clients' local
+        test data"), the same every round."""
+        size = type(self.method).global_test_size(self.cfg, self.method.opts)
+        if size <= 0:
             return None
         if not hasattr(self, "_global_test_idx"):
-            self._global_test_idx = global_test_indices([c.test_idx for c in self.clients], self.cfg.global_test, self.cfg.seed)
+            self._global_test_idx = global_test_indices([c.test_idx for c in self.clients], size, self.cfg.seed)
         return self._global_test_idx
 
     @property
@@ -508,6 +510,9 @@ def engine_class(cfg: TrainConfig) -> type[Trainer]:
             f"{cfg.method} runs in-process only: --engine flower needs a method written in roles "
             "(client_round + server_round + receive, docs/extending.md), and this one overrides run_round"
         )
+    limit = method_cls.flower_limits(cfg, method_cls.Options(**cfg.options))
+    if limit is not None:
+        raise ConfigError(f"{cfg.method} with these options runs in-process only: {limit}")
     if cfg.flower_mode == "deployment":
         from privfl.flower.deploy import check_deployment
 

@@ -23,10 +23,22 @@ TINY += ["--lr", "0.05", "--device", "cpu", "--no-progress"]
 
 
 def test_methods_in_roles_are_declared_by_their_hooks() -> None:
-    """A method in roles keeps the composed run_round; a subclass that overrides run_round is not in roles."""
-    assert all(METHODS.get(m).in_roles() for m in ("local", "fedavg", "fedre", "fedallrep"))
-    assert not METHODS.get("fedala").in_roles()  # FedAvg's subclass with its own run_round
-    assert not METHODS.get("drdfl").in_roles()
+    """Every built-in method is in roles; a subclass that overrides run_round is not (its round is no longer
+    the composition), nor is a method that only has run_round."""
+    from privfl.methods.base import FLMethod
+    from privfl.methods.simple import FedAvg
+
+    assert all(METHODS.get(m).in_roles() for m in METHODS.names())
+
+    class OwnRound(FedAvg):
+        def run_round(self, rnd, selected):
+            return super().run_round(rnd, selected)
+
+    class OnlyRound(FLMethod):
+        def run_round(self, rnd, selected):
+            return {}
+
+    assert not OwnRound.in_roles() and not OnlyRound.in_roles() and not OnlyRound.gossips()
 
 
 def test_records_round_trip_exactly() -> None:
@@ -55,8 +67,15 @@ def test_records_round_trip_exactly() -> None:
 def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "runs"
     common = [*TINY, "--engine", "flower", "--out-dir", str(out)]
+    (tmp_path / "own_round_method.py").write_text(
+        "from privfl.methods.simple import FedAvg\n\n\nclass OwnRound(FedAvg):\n"
+        "    def run_round(self, rnd, selected):\n        return super().run_round(rnd, selected)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match="written in roles"):
-        train_main(["fedala", "--model-group", "homo-cnn4", *common])
+        train_main(["own_round_method:OwnRound", "--model-group", "homo-cnn4", *common])
+    with pytest.raises(ConfigError, match="schedule token"):
+        train_main(["drdfl", "--schedule", "token", *common])
     with pytest.raises(ConfigError, match="--flower-insecure"):
         train_main(["fedavg", "--model-group", "homo-cnn4", "--flower-mode", "deployment", *common])
     with pytest.raises(ConfigError, match="HOST:PORT"):

@@ -46,6 +46,7 @@ HETE = ["--model-group", "cpu5", "--rep-dim", "64"]
         ("fedkd", [*HETE, "--join-ratio", "0.5"]),
         ("dispfl", [*HOMO, "--topology", "random", "--degree", "1", "--failures", "2@1"]),
         ("fedcvae", ["--model-group", "cpu5", "--topology", "random", "--degree", "1", "--failures", "2@1"]),
+        ("drdfl", ["--failures", "2@1"]),
     ],
 )
 def test_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
@@ -56,5 +57,5 @@ def test_every_method_in_roles_is_covered() -> None:
     """A method newly written in roles must be added above (or to tests/test_flower.py)."""
     from privfl.methods import METHODS
 
-    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed", "fedrep", "perfedavg", "pfedla", "fedala", "fml", "fedapen", "fd", "fedkd", "dispfl", "fedcvae"}
+    covered = {"fedavg", "fedre", "local", "fedallrep", "fedgh", "fedproto", "fedtgp", "fpl", "lgfedavg", "fednova", "fedsgd", "fedbn", "dfedpgp", "fedprox", "fedgen", "fedavgdbe", "fedmrl", "fedfree", "fedfed", "fedrep", "perfedavg", "pfedla", "fedala", "fml", "fedapen", "fd", "fedkd", "dispfl", "fedcvae", "drdfl"}
     assert {m for m in METHODS.names() if METHODS.get(m).in_roles()} == covered

@@ -280,6 +280,18 @@ class FLMethod:
         return Star(cfg.num_clients)
 
     @classmethod
+    def flower_limits(cls, cfg: Any, opts: Any) -> str | None:
+        """Why this configuration of the method cannot run on the Flower engine (one line), or None when it can."""
+        return None
+
+    @classmethod
+    def global_test_size(cls, cfg: Any, opts: Any) -> int:
+        """How many samples of the union of the clients' test sets the engine scores every client on each
+        round, reporting Local-T/Global-T (0: off). Default: ``--global-test``; DRDFL scores its paper's
+        metrics by default."""
+        return int(cfg.global_test)
+
+    @classmethod
     def leakage_context(cls, kind: str) -> LeakageContext | None:
         """The declared :class:`LeakageContext` of a parameter-like ``kind``, else the default: the
         whole client model, whose previous state is the last ``model`` the sender received for a
@@ -365,8 +377,8 @@ class FLMethod:
     # topology's edges: in-process directly, on Flower through the ServerApp (Flower has no peer links).
 
     def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
-        """Client side: what this live node sends this round, one message per out-neighbour of the run's
-        topology (receiver ``client{j}``), each with the ground truth behind it."""
+        """Client side: what this live node sends this round to its out-neighbours of the run's topology
+        (receiver ``client{j}``; one or more messages each), each with the ground truth behind it."""
         raise NotImplementedError
 
     def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
@@ -573,19 +585,16 @@ def route_gossip(
 ) -> list[tuple[int, Message, dict[str, torch.Tensor] | None]]:
     """The nodes' gossip messages as (receiver, message, truth), in the order of ``topology.edges(rnd)``
     (the capture's order on every engine); a message off the round's edges is an error, in one line."""
-    by_edge: dict[tuple[int, int], tuple[Message, dict[str, torch.Tensor] | None]] = {}
+    by_edge: dict[tuple[int, int], list[tuple[Message, dict[str, torch.Tensor] | None]]] = {}
     for sender, messages in sent.items():
         for msg, truth in messages:
             receiver = int(msg.receiver.removeprefix("client")) if msg.receiver.startswith("client") else -1
-            if msg.sender != f"client{sender}" or (sender, receiver) in by_edge:
-                raise PrivflError(
-                    f"client{sender}'s gossip holds a message from {msg.sender} to {msg.receiver} (one per out-neighbour, sent by itself)"
-                )
-            by_edge[(sender, receiver)] = (msg, truth)
+            if msg.sender != f"client{sender}":
+                raise PrivflError(f"client{sender}'s gossip holds a message from {msg.sender} to {msg.receiver} (a node sends its own)")
+            by_edge.setdefault((sender, receiver), []).append((msg, truth))
     routed = []
-    for edge in topology.edges(rnd):
-        if edge in by_edge:
-            msg, truth = by_edge.pop(edge)
+    for edge in topology.edges(rnd):  # an edge's messages in the order the sender listed them (DRDFL: Learngene, Gaussians)
+        for msg, truth in by_edge.pop(edge, []):
             routed.append((edge[1], msg, truth))
     if by_edge:
         (s, r), _ = next(iter(by_edge.items()))

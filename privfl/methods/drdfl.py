@@ -23,6 +23,7 @@ receives from every in-neighbour and mixes the mean of their states by the same 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,7 +36,7 @@ from torchvision.models.resnet import BasicBlock
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, global_test_indices
+from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
 from privfl.seeding import derive_seed
 from privfl.topology import GRAPH_SHAPES, Graph, Ring, build_graph, parse_failures
 
@@ -407,9 +408,23 @@ class DRDFL(FLMethod):
             raise ConfigError(f"drdfl: schedule={opts.schedule} passes one model around a ring; topology {opts.topology} needs schedule=sync")
         return build_graph(cfg, opts)
 
+    @classmethod
+    def flower_limits(cls, cfg: Any, opts: DRDFLOptions) -> str | None:
+        if opts.schedule == "token":
+            return "--schedule token passes one state node to node within a round (use --schedule sync on Flower)"
+        return None
+
+    @classmethod
+    def global_test_size(cls, cfg: Any, opts: DRDFLOptions) -> int:
+        """The paper's Local-T/Global-T every round: ``--global-test`` when given, else ``global_test_samples``
+        (0: the whole union), scored by the engine on every client (both protocols with ``--eval both``)."""
+        if cfg.global_test > 0:
+            return int(cfg.global_test)
+        return opts.global_test_samples if opts.global_test_samples > 0 else sys.maxsize
+
     def __init__(self, env):
         super().__init__(env)
-        n, K = len(env.clients), env.num_classes
+        n, K = self.cfg.num_clients, env.num_classes  # per-node bookkeeping, by client index
         self.topology: Ring | Graph = env.topology if isinstance(env.topology, Ring | Graph) else self.build_topology(self.cfg, self.opts)
         if self.opts.prior == "local":
             for c in env.clients:
@@ -420,8 +435,6 @@ class DRDFL(FLMethod):
         self.trained_from = torch.full((n,), -1, dtype=torch.int64)
         self.last_trained = torch.full((n,), -1, dtype=torch.int64)
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # token schedule
-        # evaluation only, never sent: the union of local test sets (Global-T), drawn as the engine's --global-test
-        self.global_test = global_test_indices([c.test_idx for c in env.clients], self.opts.global_test_samples, self.cfg.seed)
 
     # ------------------------------------------------------------------ what crosses the wire
     @staticmethod
@@ -433,8 +446,8 @@ class DRDFL(FLMethod):
         g = model.gaussians
         return {"mu": g.mu.detach().clone(), "var": g.effective_log_var().detach().exp()}
 
-    def send_state(self, rnd: int, sender: Client, receiver: Client, meta: dict[str, Any]) -> tuple[Message, Message]:
-        """Two peer messages, Learngene then Gaussians; truth: the samples behind a trained state."""
+    def state_messages(self, rnd: int, sender: Client, receiver: str, meta: dict[str, Any]) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """Two peer messages, Learngene then Gaussians, each with its truth: the samples behind a trained state."""
         trained = int(self.last_trained[sender.index]) >= 0
         meta = {
             **meta,
@@ -447,9 +460,10 @@ class DRDFL(FLMethod):
             "previous_round": int(self.trained_from[sender.index]),
         }
         truth = {"indices": sender.train_idx.cpu()} if trained else None
-        lg = self.send(Message(rnd, sender.name, receiver.name, "learngene", self.learngene_tensors(sender.model), meta), truth)
-        ga = self.send(Message(rnd, sender.name, receiver.name, "gaussians", self.gaussian_tensors(sender.model), meta), truth)
-        return lg, ga
+        return [
+            (Message(rnd, sender.name, receiver, "learngene", self.learngene_tensors(sender.model), meta), truth),
+            (Message(rnd, sender.name, receiver, "gaussians", self.gaussian_tensors(sender.model), dict(meta)), truth),
+        ]
 
     @torch.no_grad()
     def absorb_all(self, client: Client, received: list[tuple[Message, Message]]) -> None:
@@ -491,50 +505,62 @@ class DRDFL(FLMethod):
             else:
                 g.log_var.copy_(ema_mix(g.effective_log_var(), var.log(), o.ema))
 
-    # ------------------------------------------------------------------ rounds
-    def run_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        live = {c.index for c in selected}
-        stats: list[dict[str, float]] = []
-        sizes: dict[str, int] = {}
+    # ------------------------------------------------------------------ rounds, as gossip
+    # sync (Alg. 1): every live node sends its state after round t-1 to its out-neighbours (ring: the next
+    # live node), then all mix what they received and train. token: one state passes node to node within
+    # the round (ring order from the lowest live node), each node mixing it in, training, passing it on;
+    # a sequential pass, run in gossip_round with the channel at hand (in-process only).
+
+    def gossip_send(self, rnd: int, client: Client) -> list[tuple[Message, dict[str, torch.Tensor] | None]]:
+        """sync: its state after round t-1 to each out-neighbour; token: nothing before training."""
+        if self.opts.schedule != "sync":
+            return []
+        meta = {"state_after_round": rnd - 1}
+        return [msg for r in sorted(self.topology.out_neighbors(client.index, rnd)) for msg in self.state_messages(rnd, client, f"client{r}", meta)]
+
+    def gossip_round(self, rnd: int, client: Client, received: list[Message]) -> dict[str, float]:
+        """Mix the received states in, train; on the token schedule, then pass the state on."""
+        i = client.index
         if self.opts.schedule == "sync":
-            # every live node sends its state after round t-1 to its out-neighbours (ring: the next live
-            # node), then all mix what they received and train
-            delivered: dict[int, list[tuple[Message, Message]]] = {}
-            for m, nxt in self.topology.edges(rnd):
-                lg, ga = self.send_state(rnd, self.env.clients[m], self.env.clients[nxt], {"state_after_round": rnd - 1})
-                delivered.setdefault(nxt, []).append((lg, ga))
-                sizes = {"learngene": lg.paper_scalars, "gaussians": ga.paper_scalars}
-            for c in selected:
-                if c.index in delivered:
-                    self.absorb_all(c, delivered[c.index])
-                    self.trained_from[c.index] = rnd
-                else:
-                    self.trained_from[c.index] = -1  # alone on the ring: trained from its own state only
-                stats.append(self.train_client(rnd, c))
-                self.last_trained[c.index] = rnd
+            if received:
+                pairs = list(zip(received[0::2], received[1::2]))  # (learngene, gaussians) per in-neighbour, in edge order
+                self.absorb_all(client, pairs)
+                self.trained_from[i] = rnd
+            else:
+                self.trained_from[i] = -1  # alone on the ring: trained from its own state only
+            row = self.train_client(rnd, client)
+            self.last_trained[i] = rnd
+            return {**row, **self._sizes(received)}
+        got = self.inbox.pop(i, None)
+        if got is not None:
+            src_round, lgt, gat = got
+            self.absorb(client, lgt, gat, trained=True)  # a token is always a trained state
+            self.trained_from[i] = src_round
         else:
-            for c in selected:  # ring order from the lowest live node
-                got = self.inbox.pop(c.index, None)
-                if got is not None:
-                    src_round, lgt, gat = got
-                    self.absorb(c, lgt, gat, trained=True)  # a token is always a trained state
-                    self.trained_from[c.index] = src_round
-                else:
-                    self.trained_from[c.index] = -1
-                stats.append(self.train_client(rnd, c))
-                self.last_trained[c.index] = rnd
-                assert isinstance(self.topology, Ring)  # build_topology refuses the token schedule on other graphs
-                succ = self.topology.successor(c.index, rnd)
-                if succ is None:
-                    continue
-                lg, ga = self.send_state(rnd, c, self.env.clients[succ], {"state_after_round": rnd})
-                sizes = {"learngene": lg.paper_scalars, "gaussians": ga.paper_scalars}
-                self.inbox[succ] = (rnd, lg.tensors, ga.tensors)
-        out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if stats else {}
-        if self.cfg.global_test == 0:  # else the engine scores Local-T/Global-T for every protocol (same rule)
-            out.update(self.evaluate_paper_metrics())
-        out["live_nodes"] = float(len(live))
-        out.update({f"{k}_scalars": float(v) for k, v in sizes.items()})
+            self.trained_from[i] = -1
+        row = self.train_client(rnd, client)
+        self.last_trained[i] = rnd
+        assert isinstance(self.topology, Ring)  # build_topology refuses the token schedule on other graphs
+        succ = self.topology.successor(i, rnd)
+        if succ is None:
+            return row
+        lg, ga = (self.send(msg, truth) for msg, truth in self.state_messages(rnd, client, f"client{succ}", {"state_after_round": rnd}))
+        self.inbox[succ] = (rnd, lg.tensors, ga.tensors)
+        return {**row, **self._sizes([lg, ga])}
+
+    @staticmethod
+    def _sizes(messages: list[Message]) -> dict[str, float]:
+        return {f"{m.kind}_scalars": float(m.paper_scalars) for m in messages}
+
+    def client_metrics(self, rnd: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Losses averaged over the live nodes, their count, and the size of each kind of state message."""
+        sizes = ("learngene_scalars", "gaussians_scalars")
+        out = mean_metrics([{k: v for k, v in r.items() if k not in sizes} for r in rows])
+        out["live_nodes"] = float(len(rows))
+        for key in sizes:
+            seen = [r[key] for r in rows if key in r]
+            if seen:
+                out[key] = seen[-1]
         return out
 
     def local_lr(self) -> float:
@@ -561,22 +587,22 @@ class DRDFL(FLMethod):
         main = [p for n, p in model.named_parameters() if not (alternate and n.startswith("adversary."))]
         return self.fit(rnd, client, objective, optimizer=lambda m: self._optimizer(main)).as_dict("train_loss")
 
-    # ------------------------------------------------------------------ metrics
-    @torch.no_grad()
-    def accuracy(self, client: Client, idx: torch.Tensor) -> float:
-        client.model.eval()
-        hits = sum(int((self.predict(client, x).argmax(1) == y).sum()) for x, y in self.env.data.batches(idx, self.cfg.eval_batch_size))
-        return hits / max(len(idx), 1)
+    # ------------------------------------------------------------------ state
+    def client_state(self, client: Client) -> dict[str, torch.Tensor]:
+        """A node's own ring bookkeeping (what its Flower node keeps between messages)."""
+        i = client.index
+        return {
+            **super().client_state(client),
+            "drdfl.trained_from": self.trained_from[i : i + 1].clone(),
+            "drdfl.last_trained": self.last_trained[i : i + 1].clone(),
+        }
 
-    def evaluate_paper_metrics(self) -> dict[str, float]:
-        """Local-T: mean over clients of the accuracy on the own local test set; Global-T: mean over
-        clients of the accuracy on the union of all local test sets (paper Sec. V-A); unweighted."""
-        clients = self.env.clients
-        local = [self.accuracy(c, c.test_idx) for c in clients]
-        glob = [self.accuracy(c, self.global_test) for c in clients]
-        return {"local_t": sum(local) / len(local), "global_t": sum(glob) / len(glob)}
+    def load_client_state(self, client: Client, state: dict[str, torch.Tensor]) -> None:
+        super().load_client_state(client, state)
+        if "drdfl.trained_from" in state:
+            self.trained_from[client.index] = state["drdfl.trained_from"].cpu()[0]
+            self.last_trained[client.index] = state["drdfl.last_trained"].cpu()[0]
 
-    # ------------------------------------------------------------------ checkpoint
     def server_state(self) -> dict[str, torch.Tensor]:
         """Not a server: the ring bookkeeping and, on the token schedule, messages not yet mixed in."""
         state = {"trained_from": self.trained_from.clone(), "last_trained": self.last_trained.clone()}
