@@ -736,13 +736,15 @@ def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback
 
     What the kill left half-done is repaired and reported on stderr; any other damage to the run's
     stores refuses the resume with a one-line error (run ``python -m privfl.capture verify``)."""
-    if cfg.engine != "inprocess":
-        raise ConfigError(
-            f"{run_dir} ran on the {cfg.engine} engine, whose clients keep their state on their nodes: it cannot be resumed yet (train it again)"
+    trainer_cls = engine_class(cfg)
+    if cfg.engine == "flower" and (cfg.flower_mode == "deployment" or cfg.defense):
+        why = (
+            "a deployment's SuperNodes are started anew" if cfg.flower_mode == "deployment" else "its nodes' defense references are not checkpointed"
         )
+        raise ConfigError(f"{run_dir} ran on Flower ({why}): only simulation runs without --defense resume on Flower yet (train it again)")
     claim = RunClaim(run_dir)
     try:
-        trainer = Trainer(cfg, run_dir, resume=True, callbacks=callbacks, claim=claim)
+        trainer = trainer_cls(cfg, run_dir, resume=True, callbacks=callbacks, claim=claim)
         trainer.load_checkpoint()
         for repair in trainer.repairs:
             print(f"privfl: resume: {repair}", file=sys.stderr)

@@ -123,6 +123,31 @@ def assert_flower_equals_inprocess(tmp_path: Path, method: str, extra: list[str]
     assert verify_run(b).ok
 
 
+@pytest.mark.slow
+def test_killed_flower_run_resumes_to_the_inprocess_run(tmp_path: Path) -> None:
+    """A Flower simulation stopped after its second message of round 1 (round 0 checkpointed, each node's
+    model and client_state with it) resumes with ``--resume`` on Flower; the finished run equals the
+    in-process run byte for byte. FedALA: each client keeps its ALA weights in its client_state."""
+    pytest.importorskip("flwr")
+    from tests.killer import InterruptAfter, Interrupted
+
+    torch.set_num_threads(1)
+    out = tmp_path / "runs"
+    args = ["fedala", *TINY, "--rounds", "3", "--model-group", "homo-cnn4", "--out-dir", str(out)]
+    assert train_main([*args, "--run-name", "inprocess"]) == 0
+    with pytest.raises(Interrupted):  # raised in the ServerApp, which Flower's simulation passes on
+        train_main([*args, "--engine", "flower", "--run-name", "flower"], callbacks=[InterruptAfter(1, 2)])
+    assert json.loads((out / "flower" / "checkpoint" / "checkpoint.json").read_text())["round"] == 0
+    assert train_main(["--resume", str(out / "flower"), "--no-progress"]) == 0
+    a, b = out / "inprocess", out / "flower"
+    assert _metrics(a) == _metrics(b)
+    for store in ("capture", "truth", "knowledge"):
+        _same_tree(a / store, b / store)
+    from privfl.verify import verify_run
+
+    assert verify_run(b).ok
+
+
 #: client-level DP on the uploads (defended on each node, accounted on the server) and noise on the broadcasts
 DEFENDED = ["--defense", "dp:max_norm=1,noise_multiplier=0.5", "--defense", "gaussian:sigma=0.001,directions=down"]
 

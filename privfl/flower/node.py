@@ -10,7 +10,8 @@ and ``query.privfl_gossip`` (the first half of a gossip round) when the method h
   method's :meth:`~privfl.methods.FLMethod.client_round`, reply with its uploads (records of
   :mod:`privfl.flower.records`), the ground truth behind them and any knowledge records;
 - ``evaluate``: apply pending messages, score the client (:func:`privfl.engine.client_hits`) under the
-  asked protocols, reply with the counts.
+  asked protocols, reply with the counts and the node's state (model and client_state), which the
+  server's checkpoint keeps so that a killed run resumes.
 
 Everything the client keeps between messages (its model's state dict, :meth:`FLMethod.client_state`, the
 config and indices) lives in the node's ``context.state``, which Flower keeps per node, so any worker
@@ -142,6 +143,9 @@ def _setup(msg: Message, context: Context) -> Message:
     for key in list(context.state):  # a node reused for a new run starts clean
         if key in ("privfl.model", "privfl.client") or key.startswith("privfl.reference."):
             del context.state[key]
+    for key in ("privfl.model", "privfl.client"):  # a resumed run: the state its checkpoint kept for this client
+        if key in msg.content:
+            context.state[key] = msg.content[key]
     return Message(RecordDict(), reply_to=msg)
 
 
@@ -221,6 +225,9 @@ def _evaluate(msg: Message, context: Context) -> Message:
             node.method, node.client, node.data, node.cfg.eval_batch_size, personal=bool(flag), union=node.union
         )
         put_json(out, f"hits.{int(bool(flag))}", [correct, total, global_hits])
+    # the node's state once the round is over, for the server's checkpoint (a resumed run hands it back)
+    out["privfl.state.model"] = tensors_record(node.client.model.state_dict())
+    out["privfl.state.client"] = tensors_record(node.method.client_state(node.client))
     return node.reply(msg, context, out)
 
 

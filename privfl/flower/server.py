@@ -36,7 +36,7 @@ from privfl.capture.message import Message as PrivflMessage
 from privfl.engine import Trainer, parse_rounds
 from privfl.errors import PrivflError
 from privfl.flower.node import CLIENT_SETUP, GOSSIP, HELLO, SETUP, STEP, build_client_app, indices_record
-from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages
+from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages, tensors_record
 from privfl.methods import Client
 from privfl.methods.base import FLMethod, route_gossip
 
@@ -70,6 +70,8 @@ class FlowerTrainer(Trainer):
         self.node_of: dict[int, int] = {}
         #: metrics the nodes noted (FLMethod.note), with their client's index, until take_notes
         self.notes: list[tuple[int, dict[str, float]]] = []
+        #: each node's state as it reported it with its last evaluation: (model state dict, client_state)
+        self.node_states: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
     def _queue(self, name: str, msg: PrivflMessage) -> None:
         self.outbox[name].append(msg)
@@ -138,6 +140,9 @@ class FlowerTrainer(Trainer):
             content = RecordDict()
             put_json(content, "privfl.setup", {"config": config, "index": c.index, "threads": threads, "knowledge_rounds": knowledge_rounds})
             content["privfl.indices"] = indices_record(c.train_idx, c.test_idx, union)
+            if self.start_round > 0:  # resumed: the node starts from its state in the checkpoint
+                content["privfl.model"] = tensors_record(c.model.state_dict())
+                content["privfl.client"] = tensors_record(self.method.client_state(c))
             setup.append(Message(content, dst_node_id=self.node_of[c.index], message_type=SETUP))
         self._exchange(setup)
 
@@ -282,6 +287,9 @@ class FlowerTrainer(Trainer):
             self._with_inbox(c, content)
             messages.append(Message(content, dst_node_id=self.node_of[c.index], message_type="evaluate"))
         replies = self._exchange(messages)
+        for c in self.clients:  # for the round's checkpoint: what each node holds once the round is over
+            reply = replies[self.node_of[c.index]]
+            self.node_states[c.name] = (get_tensors(reply, "privfl.state.model"), get_tensors(reply, "privfl.state.client"))
         out: dict[bool, list[tuple[int, int, int | None]]] = {}
         for flag in flags:
             rows = []
@@ -292,8 +300,14 @@ class FlowerTrainer(Trainer):
         return out
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The server's state only: the clients' models and state live on their nodes."""
-        return {f"method.{k}": v for k, v in self.method.server_state().items()}
+        """The in-process layout: each client's model and client_state as its node reported them with the
+        round's evaluation (so ``--resume`` hands each node its state back), and the server's state."""
+        state = {f"method.{k}": v for k, v in self.method.server_state().items()}
+        for c in self.clients:
+            model, own = self.node_states[c.name]
+            state.update({f"{c.name}.{k}": v for k, v in model.items()})
+            state.update({f"clientstate.{c.name}/{k}": v for k, v in own.items()})
+        return state
 
 
 #: the ServerApp a SuperLink starts for ``privfl.train --flower-mode deployment`` (privfl.flower.deploy)
