@@ -200,14 +200,17 @@ def invert(
         opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     else:
         raise ConfigError(f"unknown DIP optimizer {cfg.optimizer!r}; accepted: adam")
-    noise_gen = torch.Generator(device=device).manual_seed(int(seeds[0]) ^ 0x5EED)
+    # one noise stream per target, from its own seed: a target's reconstruction does not depend on the batch it is in
+    noise_gens = [torch.Generator(device=device).manual_seed(int(seed) ^ 0x5EED) for seed in seeds]
+    member_shape = (cfg.input_depth, size, size)
     cudnn = torch.backends.cudnn.flags(enabled=False) if not cfg.cudnn else contextlib.nullcontext()
     start = time.perf_counter()
     with cudnn:
         for step in range(cfg.steps):
             net_in = z
             if cfg.reg_noise_std > 0:
-                net_in = z + torch.randn(z.shape, generator=noise_gen, device=device, dtype=dtype) * cfg.reg_noise_std
+                noise = torch.cat([torch.randn(member_shape, generator=g, device=device, dtype=dtype) for g in noise_gens]).unsqueeze(0)
+                net_in = z + noise * cfg.reg_noise_std
             images = net(net_in)[:, :, top : top + height, left : left + width]  # (B, C, H, W) in [0,1]
             reps = represent((images - mean_t) / std_t)  # (B, d)
             per_target = ((reps - target) ** 2).mean(dim=1)

@@ -61,6 +61,32 @@ def test_batched_generators_start_exactly_as_single_ones():
         assert torch.allclose(batched.images[i], single.images[0], atol=1e-5)
 
 
+def test_each_target_draws_its_own_input_noise_whatever_its_batch(monkeypatch):
+    """With --reg-noise-std the noise added to generator b's input comes from seeds[b] (it came from the
+    first target's seed for the whole batch): generator b sees, step by step, the input it sees alone."""
+    from attacks import dip
+
+    seen: list[torch.Tensor] = []
+    forward = dip.SkipGenerator.forward
+
+    def recording(self, x):
+        seen.append(x.detach().clone())
+        return forward(self, x)
+
+    monkeypatch.setattr(dip.SkipGenerator, "forward", recording)
+    extractor = lambda x: F.avg_pool2d(x, 2).flatten(1)  # noqa: E731
+    targets = torch.rand(3, 14 * 14)
+    cfg = DIPConfig(**{**SMALL.__dict__, "steps": 3, "reg_noise_std": 0.05})
+    invert(extractor, targets, (1, 28, 28), (0.5,), (0.5,), cfg, [5, 6, 7])
+    batched, depth = list(seen), cfg.input_depth
+    for i, seed in enumerate([5, 6, 7]):
+        seen.clear()
+        invert(extractor, targets[i : i + 1], (1, 28, 28), (0.5,), (0.5,), cfg, [seed])
+        assert len(seen) == len(batched) == cfg.steps + 1
+        for step, (mine, alone) in enumerate(zip(batched, seen)):
+            assert torch.equal(mine[:, i * depth : (i + 1) * depth], alone), (i, step)
+
+
 @pytest.fixture(scope="module")
 def fedre_run(tmp_path_factory) -> Path:
     if not FMNIST.exists():
