@@ -215,9 +215,12 @@ def compare_artifacts(
                     "target": t.key,
                     **{f"sample_{m}": v[i] for m, v in per.items()},
                     **{k: v for k, v in best[t.key].items() if k.startswith("best_")},
+                    # the inversion's own final objective (extractor(G(z)) vs the target): convergence is checkable
+                    "feature_mse": by_key[t.key].loss,
                 }
             )
         summary.update({f"{kind}_sample_{k}": v for k, v in summarize(per).items()})
+        summary[f"{kind}_feature_mse"] = float(sum(by_key[t.key].loss for t in p.targets[kind]) / len(p.targets[kind]))
         summary[f"{kind}_counterfactual"] = cf
     order = [summary[f"{k}_sample_psnr255"] for k in kinds]
     summary["ordering"] = " > ".join(f"{k} ({v:.2f} dB)" for k, v in sorted(zip(kinds, order), key=lambda kv: -kv[1]))

@@ -154,6 +154,9 @@ def test_cli_invert_and_compare_write_results(fedre_run, capsys):
     data = json.loads((folder / "metrics.json").read_text())
     assert data["protocol"]["counterfactual"] == {"rep": True, "proto": True, "ent_rep": False}
     assert len(data["images"]) == 9 and "ordering" in data["summary"]
+    # each target's final feature error is recorded, so convergence can be checked from the outputs
+    assert all(row["feature_mse"] >= 0 for row in data["images"])
+    assert all(data["summary"][f"{k}_feature_mse"] >= 0 for k in ("rep", "proto", "ent_rep"))
     assert "counterfactual" in (folder / "index.html").read_text()
 
 
