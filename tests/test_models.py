@@ -239,3 +239,21 @@ def test_bad_numeric_args():
         build_model("cnn4", in_channels=0, num_classes=10, image_size=32)
     with pytest.raises(ConfigError):
         build_model("cnn4", in_channels=3, num_classes=10, image_size=32, rep_dim=-1)
+
+
+def test_torchvision_is_imported_only_by_models_that_use_it() -> None:
+    """Importing torchvision costs about 2 s a process (every CLI call, Ray worker and Flower ClientApp): the
+    engine, the methods and the model registry load it only when a torchvision-based model is built."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, privfl.engine, privfl.methods, privfl.models\n"
+        "from privfl.models import build_model\n"
+        "build_model('cnn4', in_channels=1, num_classes=10, image_size=28, rep_dim=64, mapping='ap')\n"
+        "assert 'torchvision' not in sys.modules, 'torchvision imported'\n"
+        "build_model('resnet-tiny', in_channels=1, num_classes=10, image_size=28, rep_dim=64, mapping='ap')\n"
+        "assert 'torchvision' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torchvision.models.resnet import BasicBlock
 
 from privfl.capture.message import Message
 from privfl.config import opt
@@ -250,6 +249,7 @@ class _Classifier(nn.Module):
 
 def cifar_resnet18(in_channels: int, num_classes: int) -> nn.Module:
     """ResNet-18 with the CIFAR stem (3x3 conv, no max-pool), from torchvision's BasicBlock."""
+    from torchvision.models.resnet import BasicBlock  # imported when used (about 2 s a process)
 
     def stage(cin: int, cout: int, stride: int) -> list[nn.Module]:
         down = None if stride == 1 and cin == cout else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))

@@ -17,7 +17,6 @@ Groups:
 from __future__ import annotations
 
 import numpy as np
-import torchvision.models as tvm
 from torch import nn
 
 from privfl.models.zoo import MODEL_GROUPS, MODELS, _check_input, _cnn_flat_dim
@@ -47,6 +46,8 @@ def fedfree_cnn(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
 def _cifar_resnet(name: str, dim: int):
     def factory(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
         _check_input(f"cifar-{name}", in_channels, image_size)
+        import torchvision.models as tvm  # imported when used (about 2 s a process)
+
         net = getattr(tvm, name)(weights=None)
         # CIFAR stem (kuangliu/pytorch-cifar): 3x3 stride 1, no max-pool; torchvision's stem init
         net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)

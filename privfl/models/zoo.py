@@ -24,9 +24,7 @@ import math
 from collections.abc import Callable
 
 import torch.nn.functional as F
-import torchvision.models as tvm
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock
 
 from privfl.errors import ConfigError
 from privfl.registry import Registry
@@ -146,6 +144,8 @@ def _init_resnet_like(module: nn.Module) -> None:
 @MODELS.register("resnet-tiny")
 def resnet_tiny(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """A 2-block ResNet from torchvision's BasicBlock: residual + BatchNorm, yet fast on CPU."""
+    from torchvision.models.resnet import BasicBlock  # torchvision imported when used (about 2 s a process)
+
     _check_input("resnet-tiny", in_channels, image_size)
 
     def down(cin: int, cout: int) -> nn.Module:
@@ -172,6 +172,8 @@ def resnet_tiny(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
 def _resnet(name: str, dim: int) -> FeatureFactory:
     def factory(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
         _check_input(name, in_channels, image_size)
+        import torchvision.models as tvm  # imported when used (about 2 s a process)
+
         net = getattr(tvm, name)(weights=None)
         if in_channels != 3:
             net.conv1 = _replace_conv(net.conv1, in_channels)
@@ -197,6 +199,8 @@ for _name, _dim in [
 def mobilenet_v2(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """torchvision MobileNetV2 with its classifier (dropout + linear) removed -> 1280."""
     _check_input("mobilenet_v2", in_channels, image_size)
+    import torchvision.models as tvm
+
     net = tvm.mobilenet_v2(weights=None)
     if in_channels != 3:
         stem = _replace_conv(net.features[0][0], in_channels)
@@ -214,6 +218,8 @@ def googlenet(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     methods upload is the pooled vector itself.
     """
     _check_input("googlenet", in_channels, image_size)
+    import torchvision.models as tvm
+
     net = tvm.googlenet(weights=None, aux_logits=False, init_weights=True, transform_input=False)
     if in_channels != 3:
         stem = _replace_conv(net.conv1.conv, in_channels)
@@ -241,6 +247,8 @@ class _SqueezeFeatures(nn.Module):
 def squeezenet1_1(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """torchvision SqueezeNet 1.1 trunk + global pool -> 512; very cheap on CPU."""
     _check_input("squeezenet1_1", in_channels, image_size)
+    import torchvision.models as tvm
+
     net = tvm.squeezenet1_1(weights=None)
     if in_channels != 3:
         stem = _replace_conv(net.features[0], in_channels)
@@ -255,6 +263,8 @@ def squeezenet1_1(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
 def shufflenet_v2_x0_5(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """torchvision ShuffleNetV2 x0.5 up to its global mean -> 1024."""
     _check_input("shufflenet_v2_x0_5", in_channels, image_size)
+    import torchvision.models as tvm
+
     net = tvm.shufflenet_v2_x0_5(weights=None)
     if in_channels != 3:
         # torchvision leaves ShuffleNetV2 at PyTorch's default init, which the fresh conv already has.
@@ -289,6 +299,8 @@ def _vit(name: str, patch: int) -> FeatureFactory:
         """
         _check_input(name, in_channels, image_size)
         padded = math.ceil(image_size / patch) * patch
+        import torchvision.models as tvm  # imported when used (about 2 s a process)
+
         net = getattr(tvm, name)(weights=None, image_size=padded)
         if in_channels != 3:
             stem = _replace_conv(net.conv_proj, in_channels)
