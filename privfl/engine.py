@@ -13,7 +13,6 @@ import csv
 import hashlib
 import io
 import json
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -692,9 +691,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = (), grid: An
     except BaseException:
         # bad input found while setting up (impossible partition, ...), or a full disk before the run
         # could be resumed (no config.json yet): leave nothing behind, so the name is free again
-        claim.release()
-        if claim.created:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        claim.discard()
         raise
     try:
         previous_latest = latest_target(run_dir.parent)
@@ -706,8 +703,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = (), grid: An
             # worth resuming exists yet, so the run this call created goes, and so does `latest` pointing at it
             if not (run_dir / "checkpoint" / "checkpoint.json").exists():
                 unmark_latest(run_dir, previous_latest)
-                claim.release()
-                shutil.rmtree(run_dir, ignore_errors=True)
+                claim.discard()
             raise
     finally:
         claim.release()

@@ -9,6 +9,7 @@ what an attacker may know), ``metrics.jsonl``/``metrics.csv`` (per round), ``sum
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -169,11 +170,15 @@ class RunClaim:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.created = False
+        #: folders above the run that did not exist and this invocation made (``--out-dir``), deepest first
+        self.created_parents: list[Path] = []
         self._fh: IO[str] | None = None
 
     def acquire(self, *, create: bool) -> None:
         if create:
+            missing = [p for p in [self.run_dir.parent, *self.run_dir.parent.parents] if not p.exists()]
             self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.created_parents = missing
             try:
                 os.mkdir(self.run_dir)
             except FileExistsError:
@@ -208,3 +213,17 @@ class RunClaim:
         if self._fh is not None:
             self._fh.close()  # closing drops the flock
             self._fh = None
+
+    def discard(self) -> None:
+        """Release, then remove what this claim created: the run folder, and the ``--out-dir`` folders
+        above it that did not exist before, each only while it is empty (another process may have put
+        a run there meanwhile)."""
+        self.release()
+        if not self.created:
+            return
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        for folder in self.created_parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                break

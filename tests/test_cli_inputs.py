@@ -94,6 +94,32 @@ def test_ranges_hold_for_config_files_and_python_calls(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["fedavg", "--model-group", "cpu5"],
+            "fedavg needs identical client models, got cnn3x3, cnn4, cnn4-narrow, mlp, resnet-tiny; use --model-group homo-cnn4",
+        ),
+        (
+            ["fedgen", "--share", "model", "--model-group", "cpu5"],
+            "fedgen share=model needs identical client models, got cnn3x3, cnn4, cnn4-narrow, mlp, resnet-tiny; use share=head",
+        ),
+    ],
+)
+def test_a_refusal_while_setting_up_leaves_no_folder_it_made(tmp_path, capsys, argv, message):
+    """Found only once the data and models exist (the method's own checks), after the run folder was
+    claimed: the folder goes, and so do the --out-dir folders this call made; one that was there stays."""
+    nested = tmp_path / "new" / "runs"
+    assert cli_error(capsys, "privfl.train", train_main, [*argv, "--subsample", "300", "--out-dir", str(nested)]) == message
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert cli_error(capsys, "privfl.train", train_main, [*argv, "--subsample", "300", "--out-dir", str(kept / "runs")]) == message
+    assert kept.is_dir() and list(kept.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "method,key,value,message",
     [
