@@ -346,14 +346,72 @@ def test_fedgen_generator_after_server_training_is_class_conditioned(gen_run):
     assert (per_class > 0.5).sum() >= 8, per_class  # chance is 0.1
 
 
+@pytest.fixture(scope="module")
+def gen_homo_run(tmp_path_factory):
+    if not FMNIST.exists():
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    return train(tmp_path_factory.mktemp("fedgen-homo"), "fedgen", *TINY, "--model-group", "homo-cnn4", "--num-clients", "4")
+
+
+def test_fedgen_with_identical_models_sends_the_whole_model_as_fedavg(gen_homo_run):
+    """FedRE Table 11 counts FedGen as FedAvg when the models are identical (8785.38e3 both ways for
+    HtFLlib's CIFAR-10 CNN and 10 clients): ``share=auto`` sends the whole model up and down, and the
+    global model is the sample-weighted mean of the uploads; the generator still goes apart."""
+    cnn = build_model("cnn4", in_channels=3, num_classes=10, image_size=32)
+    per_model = sum(t.numel() for t in cnn.state_dict().values())
+    assert per_model == 878_538 and 10 * per_model == 8_785_380
+    fmnist_model = sum(t.numel() for t in build_model("cnn4", in_channels=1, num_classes=10, image_size=28).state_dict().values())
+    gen_numel = 532_481
+    rows = metrics(gen_homo_run)
+    for rnd, row in enumerate(rows):
+        comm = row["comm"]
+        assert comm["up:model"]["paper_scalars"] == comm["down:model"]["paper_scalars"] == 4 * fmnist_model
+        assert "up:head" not in comm and "down:head" not in comm
+        assert comm.get("down:generator", {}).get("paper_scalars", 0) == (0 if rnd == 0 else 4 * gen_numel)
+    cap = Run.open(gen_homo_run).capture
+    records = cap.records()
+    setup = sorted({(r["kind"], r["direction"]) for r in records if r["meta"].get("phase") == "setup"})
+    assert setup == [("label_counts", "down"), ("label_counts", "up"), ("model", "down")]
+    for rnd in range(len(rows)):
+        ups = [r for r in records if r["round"] == rnd and r["kind"] == "model" and r["direction"] == "up"]
+        down = next(
+            r for r in records if r["round"] == rnd and r["kind"] == "model" and r["direction"] == "down" and r["meta"].get("phase") != "setup"
+        )
+        weights = torch.tensor([float(r["meta"]["num_samples"]) for r in ups], dtype=torch.float64)
+        states = [cap.load(r) for r in ups]
+        got = cap.load(down)
+        for key, value in got.items():
+            mean = sum(w * st[key].double() for w, st in zip(weights.tolist(), states)) / weights.sum()
+            torch.testing.assert_close(value.double(), mean, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
+def test_fedgen_share_model_refuses_a_heterogeneous_group(tmp_path):
+    """The option alone is valid; the group is checked when the method meets its clients, and the refusal leaves nothing."""
+    from privfl.config import build_config
+    from privfl.engine import train as train_cfg
+    from privfl.errors import ConfigError
+    from privfl.methods.fedgen import FedGenOptions
+
+    cfg = build_config(
+        {"method": "fedgen", "subsample": 200, "model_group": "cpu5", "out_dir": str(tmp_path / "runs"), "options": {"share": "model"}}, FedGenOptions
+    )
+    with pytest.raises(ConfigError, match="share=model needs identical client models"):
+        train_cfg(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_fedgen_leakage_and_declarations():
     ctx = FedGen.leakage_context("head")
     assert ctx is not None and ctx.previous == "head" and ctx.module == ""
     assert FedGen.leakage_context("generator") is None and FedGen.leakage_context("label_counts") is None
+    model_ctx = FedGen.leakage_context("model")
+    assert model_ctx is not None and model_ctx.previous == "model" and model_ctx.module == ""
     assert FedKD.leakage_context("svd_model").module == "mentee"  # type: ignore[union-attr]
 
 
-def test_fedgen_interrupted_run_resumes_exactly(tmp_path, fmnist):
+@pytest.mark.parametrize("group", ["cpu5", "homo-cnn4"])  # share=head, share=model (the global model is server state too)
+def test_fedgen_interrupted_run_resumes_exactly(tmp_path, fmnist, group):
     """The generator, the global head and the label counts (received once, at setup) are server state: a run
     stopped inside round 1 (after the generator downloads and one head upload) and resumed from its round-0
     checkpoint sends and scores exactly what an uninterrupted run does. (tests/conftest.py's subprocess
@@ -365,6 +423,7 @@ def test_fedgen_interrupted_run_resumes_exactly(tmp_path, fmnist):
 
     values = {
         "method": "fedgen",
+        "model_group": group,
         "subsample": 300,
         "num_clients": 3,
         "partition": "iid",

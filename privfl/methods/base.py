@@ -630,6 +630,24 @@ def global_test_indices(test_sets: list[torch.Tensor], n: int, seed: int) -> tor
     return union.to(test_sets[0].device)
 
 
+def weighted_state_average(uploads: list[Message], reference: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+    """FedAvg's aggregate: the uploads' tensors averaged with weights ``meta["num_samples"]``, in float64,
+    cast back to ``reference``'s dtypes (integer buffers such as BatchNorm's counters are rounded)."""
+    total_weight = 0.0
+    acc: dict[str, torch.Tensor] = {}
+    for received in uploads:
+        w = float(received.meta["num_samples"])
+        total_weight += w
+        for k, v in received.tensors.items():
+            v = v.to(device, torch.float64) * w
+            acc[k] = acc[k] + v if k in acc else v
+    averaged = {}
+    for k, v in acc.items():
+        mean = v / total_weight
+        averaged[k] = mean.round().to(reference[k].dtype) if not reference[k].is_floating_point() else mean.to(reference[k].dtype)
+    return averaged
+
+
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """A module's parameters and buffers as detached tensors (what goes into a message)."""
     return {k: v.detach() for k, v in module.state_dict().items()}

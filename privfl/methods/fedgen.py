@@ -65,8 +65,15 @@ Decisions where the paper is open or HtFLlib differs:
   generator is first sent in round 1. HtFLlib uses the random generator in round 0.
 - **Client regulariser.** HtFLlib's: CE of the client's head on generated representations, weight 1
   (the official code adds a KL term on the client's own data and decays both weights).
-- **Homogeneous variant.** With identical models HtFLlib's FedGen sends the whole model (Table 11
-  homo = FedAvg counts); this module implements the heterogeneous (head) variant for any model group.
+- **What a client shares** (``share``). The FedRE paper's Table 11 counts FedGen as LG-FedAvg in the
+  model-heterogeneous setting and as FedAvg in the homogeneous one (8785.38e3 both ways for HtFLlib's
+  CIFAR-10 CNN, 10 clients; spec fedre.md Table 11 and its artifact table): with identical models
+  FedGen's paper and PFLlib's ``serverGen``/``clientGen`` average and send the whole model (kind
+  ``model``, weighted by ``num_samples`` as FedAvg) and the generator is trained against the ensemble
+  of the uploaded models' heads. ``share=auto`` (default) takes that variant when every client has the
+  same architecture and the head variant otherwise; ``head`` or ``model`` force one (``model`` refuses a
+  heterogeneous group). In the model variant the setup sends the server's initial model (built as
+  FedAvg's, from client 0's spec) instead of the head, and the whole model is the personal part.
 - **Tensor names.** A head message names its tensors as in the client model (``head.weight``,
   ``head.bias``), so gradient-leakage attacks rebuild its context on the whole client model, the body
   at the attacker's random initialisation (``leakage``).
@@ -86,7 +93,16 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, module_tensors
+from privfl.methods.base import (
+    METHODS,
+    Client,
+    ClientReply,
+    FLMethod,
+    LeakageContext,
+    load_module_tensors,
+    module_tensors,
+    weighted_state_average,
+)
 from privfl.seeding import seed_global, torch_generator
 
 #: what a head message puts before the head's own parameter names (the client model's names)
@@ -106,6 +122,12 @@ class FedGenOptions:
     diversity_weight: float = opt(1.0, "weight of the generator's diversity loss (paper/official eta: 1; HtFLlib: 0)", min=0)
     ensemble_weighting: str = opt(
         "samples", "teacher weights: samples (HtFLlib: n_k/n, as the head average) or label (official: n_k(y)/n(y))", choices=("samples", "label")
+    )
+    share: str = opt(
+        "auto",
+        "what a client uploads and receives: head (heterogeneous, HtFLlib), model (the whole model, FedGen's paper and PFLlib "
+        "with identical models), auto: model when every client has the same architecture",
+        choices=("auto", "head", "model"),
     )
     client_labels: str = opt(
         "global",
@@ -220,7 +242,7 @@ class FedGen(FLMethod):
     client state: the counts it draws generated labels from."""
 
     name = "fedgen"
-    sends = {"head": "up/down", "label_counts": "up/down", "generator": "down"}
+    sends = {"head": "up/down", "model": "up/down", "label_counts": "up/down", "generator": "down"}
     Options = FedGenOptions
     personal_parts = ("head",)
     leakage = {
@@ -228,7 +250,8 @@ class FedGen(FLMethod):
             previous="head",
             note="only the head crosses the wire: the client's body (features + RM) stays at the attacker's random initialisation; "
             "the local loss also has the generator term",
-        )
+        ),
+        "model": LeakageContext(previous="model", note="the local loss also has the generator term (homogeneous variant, share=model)"),
     }
     paper = "Zhu et al., Data-Free Knowledge Distillation for Heterogeneous Federated Learning (FedGen), ICML 2021 (arXiv 2105.10056)"
 
@@ -237,8 +260,21 @@ class FedGen(FLMethod):
         o, c = self.opts, env.num_classes
         if self.gen_batch < 2:
             raise ConfigError(f"fedgen draws generator batches of {self.gen_batch}: BatchNorm needs at least 2 (set gen_batch_size)")
+        archs = {client.arch for client in env.clients}
+        #: "head" or "model": what crosses the wire (option ``share``, module docstring)
+        self.share = o.share if o.share != "auto" else ("model" if len(archs) == 1 else "head")
+        if self.share == "model" and len(archs) > 1:
+            raise ConfigError(f"fedgen share=model needs identical client models, got {', '.join(sorted(archs))}; use share=head")
         seed_global(self.cfg.seed, "init", "server-head")
         self.head = nn.Linear(self.cfg.rep_dim, c).to(env.device)
+        #: the server's whole model (share=model only); its head is ``self.head``'s role there
+        self.global_model: nn.Module | None = None
+        if self.share == "model":
+            from privfl.models import build_model
+
+            seed_global(self.cfg.seed, "init", "server-model")
+            self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
+            self.personal_parts = ("",)  # the broadcast overwrites the whole model
         seed_global(self.cfg.seed, "init", "fedgen-generator")
         self.generator = Generator(o.noise_dim, c, o.hidden_dim, self.cfg.rep_dim).to(env.device)
         #: label counts the server received from each client at setup (server side)
@@ -270,15 +306,21 @@ class FedGen(FLMethod):
             self.counts[int(got.sender.removeprefix("client"))] = got.tensors["counts"].cpu()
         if self.opts.client_labels == "global":
             self.deliver(self.channel.broadcast(0, self.client_names(), "label_counts", {"counts": self.counts.sum(0)}, meta={"phase": "setup"}))
-        self.broadcast_head(0, "setup")
+        self.broadcast_shared(0, "setup")
 
-    def broadcast_head(self, rnd: int, phase: str = "train") -> None:
-        self.deliver(self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase}))
+    def broadcast_shared(self, rnd: int, phase: str = "train") -> None:
+        """The global head (share=head) or the global model (share=model) to every client."""
+        if self.global_model is not None:
+            self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}))
+        else:
+            self.deliver(self.channel.broadcast(rnd, self.client_names(), "head", head_state(self.head), meta={"phase": phase}))
 
     def receive(self, client: Client, msg: Message) -> None:
-        """Client side: the global head replaces its own; global label counts and the generator are kept."""
+        """Client side: the global head (or model) replaces its own; global label counts and the generator are kept."""
         if msg.kind == "head":
             load_head_state(client.model.head, msg.tensors)
+        elif msg.kind == "model":
+            load_module_tensors(client.model, msg.tensors)
         elif msg.kind == "label_counts":
             self.client_counts[client.name] = msg.tensors["counts"].cpu()
         elif msg.kind == "generator":
@@ -312,7 +354,8 @@ class FedGen(FLMethod):
         return loss
 
     def client_round(self, rnd: int, client: Client) -> ClientReply:
-        """Client side: train with the generator it received this round (none in round 0), upload its head."""
+        """Client side: train with the generator it received this round (none in round 0), upload its head
+        (or its whole model, share=model)."""
         generator = None
         tensors = self.received_generator.pop(client.name, None)
         if tensors is not None:
@@ -321,7 +364,10 @@ class FedGen(FLMethod):
             generator.load_state_dict(tensors)
         st = self.fit(rnd, client, self.objective(rnd, client, generator))
         meta = {"num_samples": len(client.train_idx), "lr": self.cfg.lr, "local_steps": st.steps, "arch": client.arch}
-        msg = Message(rnd, client.name, "server", "head", head_state(client.model.head), meta)
+        if self.share == "model":
+            msg = Message(rnd, client.name, "server", "model", module_tensors(client.model), meta)
+        else:
+            msg = Message(rnd, client.name, "server", "head", head_state(client.model.head), meta)
         metrics = {"train_loss": st.loss}
         if rnd > 0:
             metrics["gen_loss"] = st.parts.get("gen", 0.0)
@@ -330,12 +376,13 @@ class FedGen(FLMethod):
     def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
         """Server side: train the generator on the received heads, average them, broadcast the global head."""
         server_loss = self.server_update(rnd, uploads)
-        self.broadcast_head(rnd)
+        self.broadcast_shared(rnd)
         return {"server_loss": server_loss}
 
     def server_update(self, rnd: int, received: list[Message]) -> float:
-        """Train the generator on the received heads, then average them into the global head; uses only
-        the messages (and the label counts received at setup)."""
+        """Train the generator on the received heads, then average them into the global head (share=model:
+        the whole models into the global model); uses only the messages (and the label counts received
+        at setup)."""
         o = self.opts
         heads = torch.stack([m.tensors[HEAD_PREFIX + "weight"] for m in received]).to(self.env.device).float()
         biases = torch.stack([m.tensors[HEAD_PREFIX + "bias"] for m in received]).to(self.env.device).float()
@@ -356,6 +403,11 @@ class FedGen(FLMethod):
                 diversity_weight=o.diversity_weight,
                 gen=torch_generator(self.cfg.seed, "fedgen-server", rnd),
             )
+        if self.global_model is not None:
+            averaged = weighted_state_average(received, self.global_model.state_dict(), self.env.device)
+            self.global_model.load_state_dict(averaged)
+            load_head_state(self.head, {k: v for k, v in averaged.items() if k.startswith(HEAD_PREFIX)})
+            return loss
         w = (samples / samples.sum()).double()
         avg = {k: sum(wi * m.tensors[k].double() for wi, m in zip(w.tolist(), received)) for k in received[0].tensors}
         load_head_state(self.head, {k: v.float() for k, v in avg.items()})
@@ -374,7 +426,9 @@ class FedGen(FLMethod):
             self.client_counts[client.name] = state["fedgen.label_counts"].cpu()
 
     def server_state(self) -> dict[str, Tensor]:
+        model = {} if self.global_model is None else {f"model.{k}": v for k, v in module_tensors(self.global_model).items()}
         return {
+            **model,
             **{f"head.{k}": v for k, v in module_tensors(self.head).items()},
             **{f"generator.{k}": v for k, v in module_tensors(self.generator).items()},
             "label_counts": self.counts.clone(),
@@ -382,6 +436,8 @@ class FedGen(FLMethod):
 
     def load_server_state(self, state: dict[str, Tensor]) -> None:
         self.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+        if self.global_model is not None:
+            self.global_model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
         self.generator.load_state_dict({k.removeprefix("generator."): v for k, v in state.items() if k.startswith("generator.")})
         self.counts.copy_(state["label_counts"].cpu())
         if "client_label_counts" in state:  # a checkpoint written before FedGen was in roles kept the clients' counts here

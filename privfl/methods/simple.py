@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, module_tensors, weighted_state_average
 
 
 @METHODS.register("local")
@@ -41,19 +39,6 @@ class FedAvg(GlobalModelServer):
 
     def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
         """Average the uploads weighted by ``num_samples`` (in float64), then broadcast."""
-        total_weight = 0.0
-        acc: dict[str, torch.Tensor] = {}
-        for received in uploads:
-            w = float(received.meta["num_samples"])
-            total_weight += w
-            for k, v in received.tensors.items():
-                v = v.to(self.env.device, torch.float64) * w
-                acc[k] = acc[k] + v if k in acc else v
-        reference = self.global_model.state_dict()
-        averaged = {}
-        for k, v in acc.items():
-            mean = v / total_weight
-            averaged[k] = mean.round().to(reference[k].dtype) if not reference[k].is_floating_point() else mean.to(reference[k].dtype)
-        self.global_model.load_state_dict(averaged)
+        self.global_model.load_state_dict(weighted_state_average(uploads, self.global_model.state_dict(), self.env.device))
         self.broadcast(rnd)
         return {}
