@@ -274,7 +274,7 @@ class FedGen(FLMethod):
 
             seed_global(self.cfg.seed, "init", "server-model")
             self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
-            self.personal_parts = ("",)  # the broadcast overwrites the whole model
+            self.personal_parts = ("",)  # type: ignore[misc]  # per run: the broadcast overwrites the whole model
         seed_global(self.cfg.seed, "init", "fedgen-generator")
         self.generator = Generator(o.noise_dim, c, o.hidden_dim, self.cfg.rep_dim).to(env.device)
         #: label counts the server received from each client at setup (server side)
