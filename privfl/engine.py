@@ -10,7 +10,6 @@ samples from them), the live nodes of a ring or graph (failed nodes are skipped;
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import sys
@@ -22,10 +21,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
-from privfl.capture.store import TensorStore, atomic_write_bytes, atomic_write_text, stray_temps
+from privfl.capture.store import TensorStore, atomic_write_safetensors, atomic_write_text, stray_temps
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
@@ -209,15 +207,14 @@ class Trainer:
         ckpt.mkdir(exist_ok=True)
         state = self.checkpoint_tensors()
         name = f"state-r{rnd:05d}.safetensors"
-        data = st_save({k: v.detach().contiguous().cpu() for k, v in state.items()})
-        atomic_write_bytes(ckpt / name, data)
+        sha256 = atomic_write_safetensors(ckpt / name, {k: v.detach().contiguous().cpu() for k, v in state.items()})
         atomic_write_text(
             ckpt / "checkpoint.json",
             json.dumps(
                 {
                     "round": rnd,
                     "file": name,
-                    "sha256": hashlib.sha256(data).hexdigest(),  # verify and --resume check the weights against it
+                    "sha256": sha256,  # verify and --resume check the weights against it
                     "history": self.history,
                     "defenses": [d.state() for d in self.defenses],
                 }

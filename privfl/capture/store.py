@@ -44,6 +44,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 from privfl.errors import CaptureError
 
@@ -86,6 +87,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` as a safetensors file at ``path`` atomically (as :func:`atomic_write_bytes`) and
+    return its sha256. The file is written by safetensors itself and hashed back in chunks, so a
+    checkpoint of many client models never exists as one bytes object in memory (at 1,000 clients of
+    cnn4 that object was 4.6 GB, and building it took 3x longer than writing the file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        digest = hashlib.sha256()
+        with open(tmp, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -123,6 +123,9 @@ class LocalTrainer:
                 for k, v in extra.items():
                     parts[k] = parts.get(k, 0.0) + (v.item() if isinstance(v, torch.Tensor) else float(v))
                 steps += 1
+        # the last step's gradients are never read again (every step starts with zero_grad): dropping them
+        # frees one model's worth of memory per client between rounds (2.3 MB for cnn4, x clients)
+        model.zero_grad(set_to_none=True)
         n = max(steps, 1)
         return LocalStats(total / n, {k: v / n for k, v in parts.items()}, steps)
 
