@@ -1,0 +1,125 @@
+"""Client scaling of the in-process engine: setup time, time per round and peak memory at 10 / 100 /
+1,000 (/ 10,000) clients, each configuration in a fresh process so its peak RSS is its own.
+
+The setting is the one the speed issue measured: FedAvg, ``homo-cnn4``, 6,000 Fashion-MNIST samples
+in total (IID, so every client holds some), batch 64, one local epoch, capture off (``--capture`` to
+include it). Per configuration it prints:
+
+- ``build s``: constructing the trainer (data, partition, one model per client): what a user waits
+  for before the first round;
+- ``round s``: the engine's per-round ``seconds`` (training, aggregation, evaluation), mean over rounds;
+- ``wall/round s``: the same plus the checkpoint written after every round (what the user waits);
+- ``ms/client``: the slope of ``round s`` from the previous row, i.e. the engine's cost per extra client;
+- ``peak GB``: the process's peak resident memory (``ru_maxrss``).
+
+    python experiments/bench_clients.py                       # 10, 100, 1000 clients, 3 rounds
+    python experiments/bench_clients.py --clients 10000 --samples 70000 --rounds 1
+
+Run it alone: another torch process on the same cores slows both (thread oversubscription). Each
+worker uses ``--threads`` torch threads (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One configuration, in this process: returns its timings and peak RSS."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from privfl.config import build_config
+    from privfl.engine import TrainCallback, Trainer
+    from privfl.methods import METHODS
+
+    ends: list[float] = []
+
+    class RoundEnds(TrainCallback):
+        def on_round_end(self, rnd: int, entry: dict) -> None:
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        values = {
+            "method": args.method,
+            "model_group": args.model_group,
+            "subsample": args.samples,
+            "num_clients": args.worker,
+            "partition": "iid",
+            "rounds": args.rounds,
+            "capture": args.capture,
+            "progress": False,
+            "out_dir": tmp,
+            "device": "cpu",
+            "seed": 0,
+        }
+        cfg = build_config(values, METHODS.get(args.method).Options)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, Path(tmp) / "run", callbacks=[RoundEnds()])
+        t1 = time.perf_counter()
+        trainer.run()
+        rows = trainer.history
+    walls = [b - a for a, b in zip([t1, *ends[:-1]], ends)]
+    later = walls[1:] or walls  # round 0's wall also holds the setup exchange
+    return {
+        "clients": args.worker,
+        "build_s": round(t1 - t0, 2),
+        "first_round_wall_s": round(walls[0], 2),
+        "round_s": round(sum(r["seconds"] for r in rows) / len(rows), 3),
+        "wall_per_round_s": round(sum(later) / len(later), 3),
+        "acc": round(rows[-1]["acc"], 4),
+        "peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),  # Linux: kB
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="10,100,1000", help="comma list of client counts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--samples", type=int, default=6000)
+    p.add_argument("--method", default="fedavg")
+    p.add_argument("--model-group", default="homo-cnn4")
+    p.add_argument("--capture", action="store_true", help="record the capture as well (off in the issue's measurement)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker is not None:
+        print(json.dumps(worker(args)))
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    capture = "on" if args.capture else "off"
+    print(f"{args.method}, {args.model_group}, {args.samples} samples (IID), {args.rounds} rounds, capture {capture}, {args.threads} thread(s)")
+    print(f"{'clients':>8} {'build s':>8} {'round 0 wall s':>15} {'round s':>8} {'wall/round s':>13} {'ms/client':>10} {'peak GB':>8} {'acc':>7}")
+    previous: dict | None = None
+    for n in [int(v) for v in args.clients.split(",")]:
+        cmd = [sys.executable, __file__, "--worker", str(n), "--rounds", str(args.rounds), "--samples", str(args.samples)]
+        cmd += ["--method", args.method, "--model-group", args.model_group, "--threads", str(args.threads)]
+        cmd += ["--capture"] if args.capture else []
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            print(f"{n:>8} failed (exit {done.returncode}): {tail}")
+            continue
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        slope = "" if previous is None else f"{1e3 * (row['round_s'] - previous['round_s']) / (n - previous['clients']):.2f}"
+        print(
+            f"{n:>8} {row['build_s']:>8.2f} {row['first_round_wall_s']:>15.2f} {row['round_s']:>8.3f} {row['wall_per_round_s']:>13.3f} "
+            f"{slope:>10} {row['peak_gb']:>8.2f} {row['acc']:>7.4f}",
+            flush=True,
+        )
+        previous = row
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
