@@ -23,9 +23,11 @@ own papers' settings on the method's default training.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,14 +211,67 @@ def _options_for(attack: type[Attack], wanted: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in wanted.items() if k in names}
 
 
-def attack_run(
-    subject: Subject, profile: Profile, *, seed: int, device: str, progress: bool, data_root: str | None, log: Callable[[str], None]
-) -> None:
-    """Every registered attack on every kind the subject's run sends, at the audited rounds."""
+@dataclass(frozen=True)
+class Workers:
+    """How the audit's independent jobs (trainings of the subjects, then every attack on every kind and
+    round) run: ``count`` processes, each with ``threads`` torch threads (0: the core budget, from
+    ``OMP_NUM_THREADS`` or the machine's cores, split evenly). Two torch processes that each take every
+    core slow each other many times over (thread oversubscription), so the threads are always set when
+    ``count`` > 1. ``plugins``: modules each worker imports first (``--plugin``), as the parent did.
+    Every job is seeded by itself and outcomes keep the sequential order, so the report equals a
+    sequential audit's at the same thread count (a different thread count changes CPU reduction order,
+    hence the last digits, which training amplifies: docs/audit.md)."""
+
+    count: int = 1
+    threads: int = 0
+    plugins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.threads < 0:
+            raise ConfigError(f"--workers must be >= 1 and --threads-per-worker >= 0, got {self.count} and {self.threads}")
+
+    def threads_each(self) -> int:
+        budget = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+        return self.threads or max(1, budget // self.count)
+
+    def pool(self) -> ProcessPoolExecutor:
+        """Worker processes started fresh (spawn: no copied torch state), threads set before any work."""
+        import multiprocessing
+
+        return ProcessPoolExecutor(
+            self.count, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(self.threads_each(), self.plugins)
+        )
+
+
+def _start_worker(threads: int, plugins: tuple[str, ...]) -> None:
+    import importlib
+
+    import torch
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    torch.set_num_threads(threads)
+    for module in plugins:
+        importlib.import_module(module)
+
+
+@dataclass
+class AttackJob:
+    """One planned attack: where its outcome goes, and the arguments of :func:`run_attack`."""
+
+    outcome: AttackOutcome
+    subject: Subject
+    arguments: dict[str, Any]
+
+
+def attack_jobs(subject: Subject, profile: Profile, *, seed: int, device: str, data_root: str | None) -> list[AttackOutcome | AttackJob]:
+    """Every registered attack on every kind the subject's run sends, at the audited rounds: an outcome
+    already decided (nothing to attack, and why) or a job to run, in the report's order."""
     assert subject.run is not None
     run = subject.run
     view = run.attacker
     rounds = audited_rounds(len(run.metrics) or int(run.config.get("rounds", 1)))
+    out: list[AttackOutcome | AttackJob] = []
     for name in ATTACKS.names():
         cls = ATTACKS.get(name)
         family = FAMILY_OF_OUTPUT[sorted(cls.produces)[0]]
@@ -236,33 +291,58 @@ def attack_run(
                 plan = probe.plan(view, Selection(kind=kind, rounds=[rnd], clients=clients, max_targets=profile.max_targets))
                 if not plan:
                     outcome.reason, outcome.fix = plan.reason, plan.fix
-                    subject.outcomes.append(outcome)
+                    out.append(outcome)
                     continue
-                start = time.perf_counter()
-                try:
-                    outcome.report = run_attack(
-                        run,
-                        name,
-                        kind=kind,
-                        round=rnd,
-                        clients=clients,
-                        max_targets=profile.max_targets,
-                        options=_options_for(cls, profile.attack_options.get(name, {})),
-                        seed=seed,
-                        device=device,
-                        name=f"audit-{name}-{kind}-r{rnd}",
-                        progress=progress,
-                        data_root=data_root,
-                    )
-                except AttackNotApplicable as exc:
-                    outcome.reason, outcome.fix = str(exc), exc.fix
-                except PrivflError as exc:  # e.g. a message sent without its ground truth: this result is missing, the audit goes on
-                    outcome.reason = f"failed: {exc}"
-                    log(f"  {subject.label}: {name} on {kind} r{rnd} failed: {exc}")
-                outcome.seconds = time.perf_counter() - start
-                subject.outcomes.append(outcome)
-                if outcome.report is not None:
-                    log(f"  {subject.label}: {name} on {kind} r{rnd}: {headline(outcome)}")
+                arguments = {
+                    "attack": name,
+                    "kind": kind,
+                    "round": rnd,
+                    "clients": clients,
+                    "max_targets": profile.max_targets,
+                    "options": _options_for(cls, profile.attack_options.get(name, {})),
+                    "seed": seed,
+                    "device": device,
+                    "name": f"audit-{name}-{kind}-r{rnd}",
+                    "data_root": data_root,
+                }
+                out.append(AttackJob(outcome, subject, arguments))
+    return out
+
+
+def _attack(run: Run | str, arguments: dict[str, Any], progress: bool) -> tuple[AttackReport | None, str, str, float]:
+    """One job: (report, reason, fix, seconds); a job that does not apply or fails gives its reason
+    (``failed: ...``), so one missing result does not stop the audit. Runs in a worker, too."""
+    start = time.perf_counter()
+    report, reason, fix = None, "", ""
+    try:
+        report = run_attack(run, progress=progress, **arguments)
+    except AttackNotApplicable as exc:
+        reason, fix = str(exc), exc.fix
+    except PrivflError as exc:  # e.g. a message sent without its ground truth: this result is missing, the audit goes on
+        reason = f"failed: {exc}"
+    return report, reason, fix, time.perf_counter() - start
+
+
+def _finish(job: AttackJob, result: tuple[AttackReport | None, str, str, float], log: Callable[[str], None]) -> None:
+    outcome, (outcome.report, outcome.reason, outcome.fix, outcome.seconds) = job.outcome, result
+    job.subject.outcomes.append(outcome)
+    a = job.arguments
+    if outcome.reason.startswith("failed: "):
+        log(f"  {job.subject.label}: {a['attack']} on {a['kind']} r{a['round']} {outcome.reason}")
+    if outcome.report is not None:
+        log(f"  {job.subject.label}: {a['attack']} on {a['kind']} r{a['round']}: {headline(outcome)}")
+
+
+def attack_run(
+    subject: Subject, profile: Profile, *, seed: int, device: str, progress: bool, data_root: str | None, log: Callable[[str], None]
+) -> None:
+    """Every registered attack on every kind the subject's run sends, at the audited rounds (in this process)."""
+    assert subject.run is not None
+    for job in attack_jobs(subject, profile, seed=seed, device=device, data_root=data_root):
+        if isinstance(job, AttackOutcome):
+            subject.outcomes.append(job)
+        else:
+            _finish(job, _attack(subject.run, job.arguments, progress), log)
 
 
 def headline(outcome: AttackOutcome) -> str:
@@ -288,18 +368,28 @@ def reconstruction_psnr(summary: dict[str, Any]) -> float | None:
 
 def train_subject(subject: Subject, values: dict[str, Any], out: Path, *, progress: bool, log: Callable[[str], None]) -> None:
     """Train one subject into ``out/runs/<name>``."""
-    import privfl.train as train_module
+    log(f"training {subject.label} ({subject.role})")
+    run_dir, subject.train_seconds = _train(subject.method, subject.defenses, values, out, progress)
+    subject.run = Run(run_dir)
 
+
+def _subject_dir(subject: Subject, out: Path) -> Path:
     name = subject.method.replace(":", ".").replace("/", ".") + ("-" + "-".join(_slug(d) for d in subject.defenses) if subject.defenses else "")
     run_dir = out / "runs" / name
     if (run_dir / "config.json").exists():
         raise ConfigError(f"{run_dir} already exists: give another --out (the audit never overwrites a run)")
-    log(f"training {subject.label} ({subject.role})")
+    return run_dir
+
+
+def _train(method: str, defenses: list[str], values: dict[str, Any], out: Path, progress: bool) -> tuple[Path, float]:
+    """Train ``method`` into its folder under ``out/runs``; (run folder, seconds). Runs in a worker, too."""
+    import privfl.train as train_module
+
+    run_dir = _subject_dir(Subject("", method, list(defenses)), out)
     start = time.perf_counter()
-    subject.run = train_module.train(
-        {**values, "method": subject.method, "defense": list(subject.defenses), "out_dir": str(out / "runs"), "run_name": name, "progress": progress}
-    )
-    subject.train_seconds = time.perf_counter() - start
+    where = {"out_dir": str(out / "runs"), "run_name": run_dir.name, "progress": progress}
+    train_module.train({**values, "method": method, "defense": list(defenses), **where})
+    return run_dir, time.perf_counter() - start
 
 
 def _slug(text: str) -> str:
@@ -340,14 +430,19 @@ def audit(
     data_root: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    workers: Workers | int = 1,
 ) -> AuditResult:
     """Audit ``method`` (trained here with ``profile``) or an existing ``run``; see the module docstring.
+
+    ``workers`` (:class:`Workers`, or a count): with more than one, the subjects train in parallel
+    processes, then every attack job runs in them, the cores split between them; the report is the same.
 
     ``train_options`` are run options for the audited training (dataset, model_group, num_clients,
     method options...); the references take the same data, partition and seed. ``out`` must not be an
     existing audit folder with results (nothing is overwritten)."""
     from privfl.methods import check_method_class, resolve_method
 
+    pool = workers if isinstance(workers, Workers) else Workers(int(workers))
     if isinstance(profile, Profile):
         prof = profile
     elif profile in PROFILES:
@@ -389,6 +484,8 @@ def audit(
     refs = references_for(method_cls, compare, method_name)
     for ref in refs:
         resolve_method(ref)
+    if method is not None and ":" in method:  # the user named this code: its workers import it as this process did
+        pool = dataclasses.replace(pool, plugins=(*pool.plugins, method.partition(":")[0]))
     subjects = [Subject("audited", method_name, run=opened)]
     subjects += [Subject("defended", method_name, [d]) for d in defenses]
     subjects += [Subject("reference", m) for m in refs if m != method_name]
@@ -399,11 +496,68 @@ def audit(
     except FileExistsError:
         created = False
     try:
+        if pool.count > 1:
+            return _audit_in_workers(subjects, values, prof, out, pool, seed=seed, device=device, data_root=data_root, log=log)
         return _audit_subjects(subjects, values, prof, out, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
     except PrivflError:
         if created and not any((out / "runs").glob("*/config.json")):
             shutil.rmtree(out, ignore_errors=True)  # this invocation made it and trained nothing into it: leave no empty folder
         raise
+
+
+def _subject_values(subject: Subject, values: dict[str, Any]) -> dict[str, Any]:
+    """The run options a subject trains with: the audited ones, or a reference's share of them."""
+    base = {k: v for k, v in values.items() if k not in ("method", "defense", "run_name", "out_dir", "options", "progress")}
+    if subject.role in ("audited", "defended"):
+        return {**base, **({"options": dict(values["options"])} if values.get("options") else {})}
+    return reference_values(base, subject.method)
+
+
+def _audit_in_workers(
+    subjects: list[Subject],
+    values: dict[str, Any],
+    prof: Profile,
+    out: Path,
+    workers: Workers,
+    *,
+    seed: int,
+    device: str,
+    data_root: str | None,
+    log: Callable[[str], None],
+) -> AuditResult:
+    """:func:`_audit_subjects` with the trainings, then the attack jobs, spread over ``workers`` processes
+    (no progress bars: several would share one terminal). Outcomes are kept in the sequential order."""
+    from attacks.audit_report import write_audit
+
+    start = time.perf_counter()
+    log(f"{workers.count} workers, {workers.threads_each()} torch thread(s) each")
+    with workers.pool() as pool:
+        pending = [s for s in subjects if s.run is None]
+        for subject in pending:
+            _subject_dir(subject, out)  # refuse an existing run before anything trains
+        futures = {id(s): pool.submit(_train, s.method, s.defenses, _subject_values(s, values), out, False) for s in pending}
+        for i, subject in enumerate(subjects, 1):
+            if subject.run is not None:
+                continue
+            try:
+                run_dir, subject.train_seconds = futures[id(subject)].result()
+            except PrivflError as exc:
+                if subject.role == "audited":
+                    raise
+                log(f"  {subject.label}: not trained: {exc}")
+                continue
+            subject.run = Run(run_dir)
+            log(f"[{i}/{len(subjects)}] trained {subject.label} ({subject.role}) in {subject.train_seconds:.1f} s")
+        planned = [(s, s.run.path, attack_jobs(s, prof, seed=seed, device=device, data_root=data_root)) for s in subjects if s.run is not None]
+        results = {id(j): pool.submit(_attack, str(path), j.arguments, False) for _, path, jobs in planned for j in jobs if isinstance(j, AttackJob)}
+        for subject, _, jobs in planned:
+            for job in jobs:
+                if isinstance(job, AttackOutcome):
+                    subject.outcomes.append(job)
+                else:
+                    _finish(job, results[id(job)].result(), log)
+    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=seed)
+    return AuditResult(report, out, html, json_path, subjects)
 
 
 def _audit_subjects(
@@ -425,13 +579,8 @@ def _audit_subjects(
     for i, subject in enumerate(subjects, 1):
         log(f"[{i}/{len(subjects)}] {subject.label} ({subject.role})")
         if subject.run is None:
-            base = {k: v for k, v in values.items() if k not in ("method", "defense", "run_name", "out_dir", "options", "progress")}
-            if subject.role in ("audited", "defended"):
-                vals = {**base, **({"options": dict(values["options"])} if values.get("options") else {})}
-            else:
-                vals = reference_values(base, subject.method)
             try:
-                train_subject(subject, vals, out, progress=progress, log=log)
+                train_subject(subject, _subject_values(subject, values), out, progress=progress, log=log)
             except PrivflError as exc:
                 if subject.role == "audited":
                     raise
@@ -442,4 +591,4 @@ def _audit_subjects(
     return AuditResult(report, out, html, json_path, subjects)
 
 
-__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "Profile", "Subject", "audit", "audited_rounds", "predict", "references_for"]
+__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "Profile", "Subject", "Workers", "audit", "audited_rounds", "predict", "references_for"]

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schema", action="store_true", help="print the JSON schema of report.json and exit")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="processes running the trainings, then the attack jobs, in parallel (default: 1)")
+    p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (default: OMP_NUM_THREADS or the cores, split evenly)")
     return p
 
 
@@ -101,7 +103,7 @@ def check(method: str, options: dict[str, Any], *, seed: int, device: str) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attacks.audit import audit
+    from attacks.audit import Workers, audit
     from attacks.audit_report import SCHEMA
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(SCHEMA, indent=2))
         return 0
     options = train_options(args.train)
+    workers = Workers(args.workers, args.threads_per_worker, tuple(args.plugin))
     if args.check:
         if not args.method:
             raise ConfigError("--check needs a METHOD (a registered name or pkg.mod:Class)")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"audit-{name}-{datetime.now():%Y%m%d-%H%M%S}"
     compare = [m.strip() for m in args.compare.split(",")] if args.compare is not None else None
     result = audit(args.method, run=args.run, profile=args.profile, compare=compare, defenses=args.defense, out=out, device=args.device,
-                   seed=args.seed, train_options=options, data_root=args.data_root, progress=not args.no_progress)  # fmt: skip
+                   seed=args.seed, train_options=options, data_root=args.data_root, progress=not args.no_progress, workers=workers)  # fmt: skip
     print_summary(result.report)
     print(f"report: {result.html}")
     return 0

@@ -193,3 +193,37 @@ def test_a_message_without_its_sample_ids_is_one_line_not_a_key_error():
     with pytest.raises(CaptureError, match=r"message 7 was sent without the ids .* truth=\{'indices'") as info:
         sample_ids({"weights": torch.ones(2)}, 7)
     assert "\n" not in str(info.value)
+
+
+def _comparable(value, out: Path):
+    """A report without its timings and with its own folder written as OUT, to compare two audits."""
+    if isinstance(value, dict):
+        return {k: _comparable(v, out) for k, v in value.items() if "second" not in k and k not in ("created", "time", "duration")}
+    if isinstance(value, list):
+        return [_comparable(v, out) for v in value]
+    if isinstance(value, str):
+        return value.replace(str(out), "OUT")
+    return value
+
+
+@pytest.mark.slow  # a second audit in spawned workers (~20 s): .ci/run runs it after the default suite
+def test_two_workers_give_the_same_report(audited, user_method, tmp_path):
+    """The trainings and attack jobs spread over two spawned processes (one thread each) report exactly
+    what one process does: every job is seeded by itself, and outcomes keep the sequential order."""
+    from attacks.audit import Workers
+
+    result, _ = audited
+    lines: list[str] = []
+    out = tmp_path / "report"
+    parallel = audit(user_method, profile=TINY, compare=["local"], out=out, device="cpu", progress=False, log=lines.append, workers=Workers(2, 1))
+    assert any(line.startswith("2 workers, 1 torch thread(s) each") for line in lines)
+    assert _comparable(parallel.report, out) == _comparable(result.report, result.folder)
+
+
+def test_workers_are_checked_before_anything_runs(tmp_path, capsys):
+    from privfl.audit import main
+
+    code = run_cli("privfl.audit", lambda: main(["fedavg", "--workers", "0", "--out", str(tmp_path / "a")]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "privfl.audit: error: --workers must be >= 1 and --threads-per-worker >= 0, got 0 and 0"
+    assert not (tmp_path / "a").exists()
