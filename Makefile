@@ -41,6 +41,4 @@ test: setup lint
 	$(PY) -m pytest
 
 bench: setup
-	$(PY) experiments/bench_capture.py
-	$(PY) experiments/bench_inversion_batching.py
-	$(PY) experiments/bench_flower.py
+	$(PY) experiments/bench.py

@@ -23,6 +23,12 @@ from privfl.config import build_config
 from privfl.engine import Trainer, dir_size
 from privfl.methods import resolve_method
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchlib import record  # noqa: E402
+
 
 class StoreTimer:
     """Wall time spent inside the stores' writes (append + flush): the capture's direct cost."""
@@ -103,6 +109,7 @@ def main() -> int:
     print(f"capture size: {size / 1024:.1f} KiB ({size / args.rounds / 1024:.1f} KiB per round)")
     same = accs[True] == accs[False]
     print(f"identical accuracies with and without capture: {same}")
+    record("capture", f"{args.method} training time (median)", "capture off", off, "capture on", on, "s", f"identical accuracies: {same}")
     return 0 if same else 1
 
 

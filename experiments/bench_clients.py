@@ -32,6 +32,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchlib import record_value  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -117,6 +121,10 @@ def main() -> int:
             f"{slope:>10} {row['peak_gb']:>8.2f} {row['acc']:>7.4f}",
             flush=True,
         )
+        without = f"round {row['round_s']:.2f} s without it"
+        record_value("clients", f"{n} clients: wall per round (with checkpoint)", row["wall_per_round_s"], "s", without)
+        record_value("clients", f"{n} clients: build (data, partition, models)", row["build_s"], "s")
+        record_value("clients", f"{n} clients: peak RSS", row["peak_gb"], "GB")
         previous = row
     return 0
 

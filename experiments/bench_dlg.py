@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,12 @@ from attacks.gradleak import GradLeakConfig, leak
 from attacks.images import packaged_images
 from attacks.metrics import psnr
 from attacks.victims import SigmoidLeNet
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchlib import record  # noqa: E402
 
 
 def reference_dlg(model, target_grads, x0, y0, steps):
@@ -84,6 +91,8 @@ def main() -> int:
     print(f"privfl:    {t_ours:7.1f} s   PSNR {p_ours:6.2f} dB")
     print(f"reference: {t_ref:7.1f} s   PSNR {p_ref:6.2f} dB")
     print(f"time ratio privfl / reference: {t_ours / t_ref:.3f}")
+    quality = f"PSNR {p_ref:.2f} vs {p_ours:.2f} dB"
+    record("dlg", f"seconds per image, {args.steps} L-BFGS steps", "reference loop", t_ref, "privfl", t_ours, "s", quality)
     print(f"with N(0, 0.01^2) noise on the gradient: PSNR {p_noisy:.2f} dB")
     print(f"checks: clean > 30 dB: {p_ours > 30}; noisy < 15 dB: {p_noisy < 15}")
     return 0

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from experiments.benchlib import record  # noqa: E402
 from privfl.config import build_config  # noqa: E402
 from privfl.engine import train  # noqa: E402
 from privfl.methods import resolve_method  # noqa: E402
@@ -101,6 +102,8 @@ def main() -> None:
                 cells = [method, clients, engine, f"{100 * r['acc']:.2f}", r["messages"], r["scalars"], f"{r['s_per_round']:.2f}", f"{r['wall']:.1f}"]
                 lines.append("| " + " | ".join(map(str, cells)) + f" | {'yes' if same else 'NO'} |")
             ratio = f"{b['s_per_round'] / a['s_per_round']:.2f}x | {b['wall'] / a['wall']:.2f}x"
+            note = f"capture identical: {'yes' if same else 'NO'}"
+            record("flower", f"{method}, {clients} clients, s/round", "in-process", a["s_per_round"], "Flower", b["s_per_round"], "s", note)
             lines.append(f"| {method} | {clients} | flower / inprocess | | | | {ratio} | |")
             print("\n".join(lines[-3:]), flush=True)
     print("\n".join(lines))

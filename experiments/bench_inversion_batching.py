@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,12 @@ from attacks.metrics import psnr
 from privfl.engine import resolve_device
 from privfl.run import Run
 from privfl.seeding import derive_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchlib import record  # noqa: E402
 
 
 def main() -> int:
@@ -54,6 +61,8 @@ def main() -> int:
     print(f"one at a time: {t_single:.3f} s per target   (mean PSNR {psnr_s:.2f} dB)")
     print(f"batched (K={args.k}): {t_batched:.3f} s per target   (mean PSNR {psnr_b:.2f} dB)")
     print(f"speed-up batched vs one at a time: {t_single / t_batched:.2f}x")
+    note = f"{args.steps} steps; PSNR {psnr_s:.2f} vs {psnr_b:.2f} dB"
+    record("inversion", "DIP seconds per target", "one at a time", t_single, f"batched K={args.k}", t_batched, "s", note)
     return 0
 
 
