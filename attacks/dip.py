@@ -21,6 +21,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +47,33 @@ class DIPConfig:
     reg_noise_std: float = 0.0  # fresh N(0, std) added to z every step (DIP's noise regularisation)
     tv_weight: float = 0.0  # optional total-variation prior on G(z)
     leaky_slope: float = 0.2
+    #: how a level halves the resolution: ``avg`` (2x2 average pool after the first conv, as the DIP
+    #: feature-inversion setting) or ``stride`` (the first conv has stride 2: DIP's ``skip()`` default)
+    downsample: str = "avg"
+    upsample: str = "nearest"  # nearest or bilinear (DIP's inpainting / super-resolution settings)
+    padding: str = "zeros"  # zeros or reflect (DIP's ``pad='reflection'``) for every k>1 convolution
+    #: True: pad the image to the next power of two and crop the output (28 -> 32 px); False: generate at
+    #: the native size (28 -> 14 -> 7 ...; each upsampling returns to the size of its skip input)
+    pad_to_power_of_two: bool = True
     double: bool = False  # float64 (DIP README: optimisation may not converge on some GPUs)
     cudnn: bool = True  # turn off to avoid non-deterministic cuDNN kernels
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for key, accepted in (("downsample", ("avg", "stride")), ("upsample", ("nearest", "bilinear")), ("padding", ("zeros", "reflect"))):
+            if getattr(self, key) not in accepted:
+                raise ConfigError(f"DIP {key} must be one of {', '.join(accepted)}, got {getattr(self, key)!r}")
+
+    def canvas(self, height: int, width: int) -> int:
+        """The square size the generator works at: the image's, or the next power of two."""
+        side = max(height, width)
+        return 2 ** math.ceil(math.log2(side)) if self.pad_to_power_of_two else side
+
     def depth_for(self, size: int) -> int:
         """Levels used for a ``size`` input. Each level halves the resolution; like DIP's 6 levels on a
-        256 input we stop at 4x4, so small images get fewer levels (32 px: 3, 64 px: 4)."""
-        return max(1, min(len(self.channels_down), int(math.log2(size)) - 2))
+        256 input we stop at about 4x4, so small images get fewer levels (32 px: 3, 64 px: 4; a native
+        28 px canvas: 3, down to 4x4 with strided convolutions, 3x3 with average pooling)."""
+        return max(1, min(len(self.channels_down), math.ceil(math.log2(size / 4))))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,13 +101,18 @@ class _Level(nn.Module):
         act = lambda: nn.LeakyReLU(cfg.leaky_slope, inplace=True)  # noqa: E731
         down, up, skip = cfg.channels_down[i], cfg.channels_up[i], cfg.channels_skip[i]
         kd, ku = cfg.filters_down[i], cfg.filters_up[i]
+        pad: Literal["zeros", "reflect"] = "reflect" if cfg.padding == "reflect" else "zeros"
+        self.upsample = cfg.upsample
         self.skip = nn.Sequential(nn.Conv2d(g * in_ch, g * skip, 1, groups=g), nn.BatchNorm2d(g * skip), act()) if skip else None
+        if cfg.downsample == "stride":
+            halve: list[nn.Module] = [nn.Conv2d(g * in_ch, g * down, kd, stride=2, padding=kd // 2, padding_mode=pad, groups=g)]
+        else:
+            halve = [nn.Conv2d(g * in_ch, g * down, kd, padding=kd // 2, padding_mode=pad, groups=g), nn.AvgPool2d(2)]
         self.down = nn.Sequential(
-            nn.Conv2d(g * in_ch, g * down, kd, padding=kd // 2, groups=g),
-            nn.AvgPool2d(2),
+            *halve,
             nn.BatchNorm2d(g * down),
             act(),
-            nn.Conv2d(g * down, g * down, kd, padding=kd // 2, groups=g),
+            nn.Conv2d(g * down, g * down, kd, padding=kd // 2, padding_mode=pad, groups=g),
             nn.BatchNorm2d(g * down),
             act(),
         )
@@ -96,7 +121,7 @@ class _Level(nn.Module):
         self.concat = _GroupConcat(groups)
         self.up = nn.Sequential(
             nn.BatchNorm2d(g * (skip + deeper_out)),
-            nn.Conv2d(g * (skip + deeper_out), g * up, ku, padding=ku // 2, groups=g),
+            nn.Conv2d(g * (skip + deeper_out), g * up, ku, padding=ku // 2, padding_mode=pad, groups=g),
             nn.BatchNorm2d(g * up),
             act(),
             nn.Conv2d(g * up, g * up, 1, groups=g),
@@ -108,7 +133,10 @@ class _Level(nn.Module):
         y = self.down(x)
         if self.deeper is not None:
             y = self.deeper(y)
-        y = F.interpolate(y, size=x.shape[-2:], mode="nearest")
+        if self.upsample == "bilinear":
+            y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        else:
+            y = F.interpolate(y, size=x.shape[-2:], mode="nearest")
         if self.skip is not None:
             y = self.concat(self.skip(x), y)
         return self.up(y)
@@ -156,6 +184,8 @@ class InversionResult:
     feature_loss: torch.Tensor  # (B,) final MSE between extractor(G(z)) and the target
     seconds: float
     steps: int
+    #: images after the steps asked for with ``snapshot_steps`` (a PSNR-vs-steps curve from one run)
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def invert(
@@ -169,15 +199,17 @@ def invert(
     *,
     device: torch.device | str = "cpu",
     progress: Callable[[int, float], None] | None = None,
+    snapshot_steps: Sequence[int] = (),
 ) -> InversionResult:
     """Invert ``targets`` (B, d) through the frozen ``represent`` (normalised images -> (B, d)).
 
     ``seeds[b]`` fixes generator b's initialisation and noise input, whatever the batch it is in.
+    ``snapshot_steps``: also keep G(z) after each of these many steps (they do not change the run).
     """
     import time
 
     channels, height, width = image_shape
-    size = 2 ** math.ceil(math.log2(max(height, width)))  # the net halves `depth` times: pad to a power of 2
+    size = cfg.canvas(height, width)  # the net halves `depth` times: by default on a power-of-2 canvas
     dtype = torch.float64 if cfg.double else torch.float32
     b = len(targets)
     if len(seeds) != b:
@@ -204,6 +236,7 @@ def invert(
     noise_gens = [torch.Generator(device=device).manual_seed(int(seed) ^ 0x5EED) for seed in seeds]
     member_shape = (cfg.input_depth, size, size)
     cudnn = torch.backends.cudnn.flags(enabled=False) if not cfg.cudnn else contextlib.nullcontext()
+    snapshots: dict[int, torch.Tensor] = {}
     start = time.perf_counter()
     with cudnn:
         for step in range(cfg.steps):
@@ -222,7 +255,11 @@ def invert(
             opt.step()
             if progress is not None:
                 progress(step, float(per_target.detach().mean()))
+            if step + 1 in snapshot_steps:
+                with torch.no_grad():
+                    snapshots[step + 1] = net(z)[:, :, top : top + height, left : left + width].detach().float().cpu()
         with torch.no_grad():
             images = net(z)[:, :, top : top + height, left : left + width]
             per_target = ((represent((images - mean_t) / std_t) - target) ** 2).mean(dim=1)
-    return InversionResult(images.detach().float().cpu(), per_target.detach().float().cpu(), time.perf_counter() - start, cfg.steps)
+    seconds = time.perf_counter() - start
+    return InversionResult(images.detach().float().cpu(), per_target.detach().float().cpu(), seconds, cfg.steps, snapshots)

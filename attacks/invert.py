@@ -12,7 +12,6 @@ sender, or the receiver of a server's broadcast).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -146,4 +145,4 @@ class RepresentationInversion(Attack):
         return {"dip": self.config.dip(), "batch": self.config.batch}
 
     def levels_used(self, image_size: int) -> int:
-        return self.config.depth_for(2 ** math.ceil(math.log2(image_size)))
+        return self.config.depth_for(self.config.canvas(image_size, image_size))

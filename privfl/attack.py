@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--input-depth", type=int, default=d.input_depth, help="channels of the noise input z")
     inv.add_argument("--tv-weight", type=float, default=d.tv_weight, help="total-variation prior weight")
     inv.add_argument("--reg-noise-std", type=float, default=d.reg_noise_std, help="DIP input noise regularisation")
+    inv.add_argument("--downsample", choices=("avg", "stride"), default=d.downsample, help="how each generator level halves")
+    inv.add_argument("--upsample", choices=("nearest", "bilinear"), default=d.upsample, help="how each generator level doubles")
+    inv.add_argument("--padding", choices=("zeros", "reflect"), default=d.padding, help="padding of the generator's convolutions")
+    canvas = "pow2" if d.pad_to_power_of_two else "native"
+    inv.add_argument("--canvas", choices=("pow2", "native"), default=canvas, help="generate on a power-of-2 canvas or at the image size")
     inv.add_argument("--double", action="store_true", help="optimise in float64")
     inv.add_argument("--no-cudnn", action="store_true", help="disable cuDNN (determinism on GPU)")
     inv.add_argument("--batch", type=int, default=16, help="targets optimised together (one grouped network)")
@@ -149,6 +154,10 @@ def invert_options(args: argparse.Namespace) -> dict[str, Any]:
         "tv_weight": args.tv_weight,
         "reg_noise_std": args.reg_noise_std,
         "input_depth": args.input_depth,
+        "downsample": args.downsample,
+        "upsample": args.upsample,
+        "padding": args.padding,
+        "pad_to_power_of_two": args.canvas == "pow2",
         "double": args.double,
         "cudnn": not args.no_cudnn,
         "batch": args.batch,

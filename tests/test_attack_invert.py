@@ -51,14 +51,40 @@ def test_dip_inverts_a_known_extractor_well_above_chance():
     assert result.images.shape == (1, 1, 32, 32) and result.images.min() >= 0 and result.images.max() <= 1
 
 
-def test_batched_generators_start_exactly_as_single_ones():
+DESIGNS = [
+    {},
+    {"downsample": "stride"},
+    {"upsample": "bilinear"},
+    {"padding": "reflect"},
+    {"pad_to_power_of_two": False},
+    {"downsample": "stride", "upsample": "bilinear", "padding": "reflect", "pad_to_power_of_two": False},
+]
+
+
+@pytest.mark.parametrize("design", DESIGNS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_batched_generators_start_exactly_as_single_ones(design):
     extractor = lambda x: x.flatten(1)  # noqa: E731
     targets = torch.rand(3, 28 * 28)
-    cfg = DIPConfig(**{**SMALL.__dict__, "steps": 0})
+    cfg = DIPConfig(**{**SMALL.__dict__, "steps": 0, **design})
     batched = invert(extractor, targets, (1, 28, 28), (0.5,), (0.5,), cfg, [5, 6, 7])
     for i, seed in enumerate([5, 6, 7]):
         single = invert(extractor, targets[i : i + 1], (1, 28, 28), (0.5,), (0.5,), cfg, [seed])
         assert torch.allclose(batched.images[i], single.images[0], atol=1e-5)
+
+
+def test_generator_designs_keep_the_image_size_and_refuse_unknown_choices():
+    """A native 28 px canvas halves to 14, 7 and 4 (strided) or 3 (pooled) and comes back to 28 through
+    the skips; the levels follow the canvas (32 px and 28 px: 3)."""
+    from privfl.errors import ConfigError
+
+    for design in DESIGNS:
+        cfg = DIPConfig(**{**SMALL.__dict__, "steps": 1, **design})
+        result = invert(lambda x: x.flatten(1), torch.rand(2, 28 * 28), (1, 28, 28), (0.5,), (0.5,), cfg, [1, 2], snapshot_steps=[1])
+        assert result.images.shape == (2, 1, 28, 28) and result.snapshots[1].shape == (2, 1, 28, 28)
+        assert cfg.depth_for(cfg.canvas(28, 28)) == 3
+    for key, bad in (("downsample", "max"), ("upsample", "bicubic"), ("padding", "circular")):
+        with pytest.raises(ConfigError, match=f"^DIP {key} must be one of"):
+            DIPConfig(**{key: bad})
 
 
 def test_each_target_draws_its_own_input_noise_whatever_its_batch(monkeypatch):
