@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_dip_inverts_a_known_extractor_well_above_chance():
     assert result.images.shape == (1, 1, 32, 32) and result.images.min() >= 0 and result.images.max() <= 1
 
 
-DESIGNS = [
+DESIGNS: list[dict[str, Any]] = [
     {},
     {"downsample": "stride"},
     {"upsample": "bilinear"},
@@ -82,9 +83,10 @@ def test_generator_designs_keep_the_image_size_and_refuse_unknown_choices():
         result = invert(lambda x: x.flatten(1), torch.rand(2, 28 * 28), (1, 28, 28), (0.5,), (0.5,), cfg, [1, 2], snapshot_steps=[1])
         assert result.images.shape == (2, 1, 28, 28) and result.snapshots[1].shape == (2, 1, 28, 28)
         assert cfg.depth_for(cfg.canvas(28, 28)) == 3
-    for key, bad in (("downsample", "max"), ("upsample", "bicubic"), ("padding", "circular")):
-        with pytest.raises(ConfigError, match=f"^DIP {key} must be one of"):
-            DIPConfig(**{key: bad})
+    refused: list[dict[str, Any]] = [{"downsample": "max"}, {"upsample": "bicubic"}, {"padding": "circular"}]
+    for bad in refused:
+        with pytest.raises(ConfigError, match=f"^DIP {next(iter(bad))} must be one of"):
+            DIPConfig(**bad)
 
 
 def test_each_target_draws_its_own_input_noise_whatever_its_batch(monkeypatch):
