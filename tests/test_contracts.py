@@ -49,6 +49,12 @@ def trained(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------ methods
+#: kinds a method declares but does not send in the setting trained here (each covered where named)
+SENT_ONLY_IN_ANOTHER_SETTING: dict[str, set[str]] = {
+    "fedgen": {"model"},  # identical client models only (share=auto -> model): tests/test_fedkd_fedgen.py
+}
+
+
 @pytest.mark.parametrize("method", METHODS.names())
 def test_every_method_is_well_declared(method):
     cls = METHODS.get(method)
@@ -65,7 +71,9 @@ def test_every_method_trains_and_every_message_satisfies_its_kind(trained, metho
     assert len(run.metrics) == 2 and all(0.0 <= h["acc"] <= 1.0 for h in run.metrics)
     assert run.info["sends"] == METHODS.get(method).sends
     records = run.capture.records()
-    assert {r["kind"] for r in records} == set(METHODS.get(method).sends)
+    sent, declared = {r["kind"] for r in records}, set(METHODS.get(method).sends)
+    assert sent <= declared
+    assert declared - sent == SENT_ONLY_IN_ANOTHER_SETTING.get(method, set())
     for rec in records:
         spec = KINDS.get(rec["kind"])
         tensors = run.capture.load(rec)

@@ -372,6 +372,9 @@ def test_fedgen_with_identical_models_sends_the_whole_model_as_fedavg(gen_homo_r
     records = cap.records()
     setup = sorted({(r["kind"], r["direction"]) for r in records if r["meta"].get("phase") == "setup"})
     assert setup == [("label_counts", "down"), ("label_counts", "up"), ("model", "down")]
+    assert {r["kind"] for r in records} == {"model", "label_counts", "generator"}
+    for rec in records:  # the kinds' contracts, as tests/test_contracts.py checks the heterogeneous variant's
+        assert KINDS.get(rec["kind"]).problems(cap.load(rec), rec["meta"], rec["direction"], rec["aux"]) == [], rec["seq"]
     for rnd in range(len(rows)):
         ups = [r for r in records if r["round"] == rnd and r["kind"] == "model" and r["direction"] == "up"]
         down = next(
