@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--targets", type=int, default=4)
     p.add_argument("--steps", default="250,500,1000,2000,3100", help="comma list: PSNR read after these many steps")
     p.add_argument("--variants", help="comma list of variant numbers (0-based) to run (default: all)")
+    p.add_argument("--lr", default="0.001", help="comma list of Adam learning rates; every variant runs with each")
     args = p.parse_args()
     steps = sorted(int(s) for s in args.steps.split(","))
     run = Run.open(args.run)
@@ -71,13 +72,13 @@ def main() -> int:
     print(f"run {run.path}, {args.client} ({view.arch(args.client) if hasattr(view, 'arch') else ''}) r{rnd}, {args.targets} targets, batched")
     print("| variant | " + " | ".join(f"PSNR @{s}" for s in steps) + " | s/step (batch) | final feature MSE |")
     print("|---|" + "---:|" * (len(steps) + 2))
-    for name in chosen:
-        cfg = DIPConfig(steps=steps[-1], **VARIANTS[name])
+    for name, lr in [(n, float(lr)) for n in chosen for lr in args.lr.split(",")]:
+        cfg = DIPConfig(steps=steps[-1], lr=lr, **VARIANTS[name])
         t0 = time.perf_counter()
         result = invert(model.represent, targets, shape, ds["mean"], ds["std"], cfg, seeds, snapshot_steps=steps)
         seconds = time.perf_counter() - t0
         cells = [f"{psnr(result.snapshots[s], images).mean().item():.2f}" for s in steps]
-        print(f"| {name} | " + " | ".join(cells) + f" | {seconds / steps[-1]:.4f} | {result.feature_loss.mean().item():.4g} |", flush=True)
+        print(f"| {name}, lr {lr:g} | " + " | ".join(cells) + f" | {seconds / steps[-1]:.4f} | {result.feature_loss.mean().item():.4g} |", flush=True)
     return 0
 
 
