@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS, KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Selection
+from attacks.dip import PAPER_SETTINGS
 from attacks.runner import AttackReport, run_attack
 from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family
@@ -100,7 +101,7 @@ PROFILES: dict[str, Profile] = {
         {},
         4,
         {
-            "invert": {},
+            "invert": dict(PAPER_SETTINGS),  # the DIP authors' 3100 steps, lr 1e-3, nearest upsampling
             "dlg": {},
             "idlg": {},
             "ig": {},

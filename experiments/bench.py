@@ -2,8 +2,8 @@
 
 Each benchmark runs as its own process, alone (two torch processes on the same cores slow each other),
 prints its own report, and appends its headline comparisons (configuration a vs b in the same run,
-the ratio b / a) through :mod:`benchlib`; the table at the end gathers them. The inversion benchmark
-needs a FedRE run with client extractors: a small one is trained first (Fashion-MNIST 2,000 samples,
+the ratio b / a) through :mod:`benchlib`; the table at the end gathers them. The inversion benchmarks
+need a FedRE run with client extractors: a small one is trained first (Fashion-MNIST 2,000 samples,
 3 rounds), unless ``--run`` gives one.
 
     python experiments/bench.py                    # all of them (about 15 minutes on 2 CPU cores)
@@ -23,10 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
-#: name -> arguments of its script (the inversion benchmark gets --run added)
+#: name -> arguments of its script (the inversion benchmarks get --run added)
 BENCHES: dict[str, list[str]] = {
     "capture": ["bench_capture.py"],
     "inversion": ["bench_inversion_batching.py"],
+    "dip-settings": ["bench_dip_settings.py"],
     "dlg": ["bench_dlg.py"],
     "clients": ["bench_clients.py"],
     "flower": ["bench_flower.py"],
@@ -50,9 +51,9 @@ def main() -> int:
         Path(rows_path).touch()
         for name in names:
             cmd = [sys.executable, str(HERE / BENCHES[name][0]), *BENCHES[name][1:]]
-            if name == "inversion":
+            if name in ("inversion", "dip-settings"):
                 run = args.run or str(Path(tmp) / "fedre-bench")
-                if not args.run:
+                if not args.run and not Path(run).exists():
                     train = [sys.executable, "-m", "privfl.train", "fedre", "--subsample", "2000", "--rounds", "3", "--no-progress"]
                     train += ["--out-dir", tmp, "--run-name", "fedre-bench"]
                     subprocess.run(train, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)

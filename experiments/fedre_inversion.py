@@ -6,7 +6,7 @@ then averaged, as the paper's numbers imply) and SSIM of each artifact, and whet
 ordering rep > proto > ent_rep holds.
 
     python experiments/fedre_inversion.py                        # the latest run (make demo trains one)
-    python experiments/fedre_inversion.py --run runs/X --steps 3100 --clients 0,1,2,3
+    python experiments/fedre_inversion.py --run runs/X --settings paper --clients 0,1,2,3   # the DIP authors' 3100 steps
     python experiments/fedre_inversion.py --train experiments/fedre/tinyimagenet_pra_hete.toml --data-root DATA
         # trains the paper's Tiny-ImageNet/HtM10 setting first (needs the data and a GPU)
 """
@@ -19,6 +19,7 @@ import sys
 
 import privfl
 from attacks import compare_artifacts
+from attacks.dip import PAPER_SETTINGS, DIPConfig
 from privfl.config import build_config, read_config_file
 from privfl.methods import resolve_method
 from privfl.run import Run
@@ -44,11 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root")
     p.add_argument("--clients", default="0,1,2", help="clients to compare on")
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3100)
+    p.add_argument("--settings", choices=("privfl", "paper"), default="privfl", help="DIP steps/lr/upsampling: privfl's or the DIP authors'")
+    p.add_argument("--steps", type=int, help="DIP steps (default: from --settings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    dip: dict = dict(PAPER_SETTINGS) if args.settings == "paper" else {}
+    if args.steps is not None:
+        dip["steps"] = args.steps
+    args.steps = DIPConfig(**dip).steps
     trained = train_config(args.train, args.data_root, not args.no_progress) if args.train else None
     run = trained if trained is not None and args.run is None else Run.open(args.run)
     rows: dict[str, list[dict]] = {k: [] for k in KINDS}
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             KINDS,
             client=client,
             samples=args.samples,
-            options={"steps": args.steps},
+            options=dip,
             seed=args.seed,
             device=args.device,
             progress=not args.no_progress,

@@ -30,7 +30,7 @@ GRADLEAK = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from attacks.dip import DIPConfig
+    from attacks.dip import PAPER_SETTINGS, DIPConfig
 
     d = DIPConfig()
     parser = ArgumentParser(
@@ -58,13 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--compare", help="comma list of rep,proto,ent_rep: Figure-4 comparison on one client")
     _add_selection(inv, max_targets=True)
     inv.add_argument("--samples", type=int, default=4, help="--compare: images of the client to compare on")
-    inv.add_argument("--steps", type=int, default=d.steps, help="DIP optimisation steps (DIP feature inversion: 3100)")
-    inv.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+    inv.add_argument(
+        "--settings",
+        choices=("privfl", "paper"),
+        default="privfl",
+        help=f"starting values of --steps/--lr/--upsample: privfl's ({d.steps}, {d.lr:g}, {d.upsample}; measured faster and "
+        f"stronger, docs/attacks.md) or the DIP authors' feature inversion ({PAPER_SETTINGS['steps']}, "
+        f"{PAPER_SETTINGS['lr']:g}, {PAPER_SETTINGS['upsample']}); an option given explicitly wins",
+    )
+    inv.add_argument("--steps", type=int, help="DIP optimisation steps (default: from --settings)")
+    inv.add_argument("--lr", type=float, help="Adam learning rate (default: from --settings)")
     inv.add_argument("--input-depth", type=int, default=d.input_depth, help="channels of the noise input z")
     inv.add_argument("--tv-weight", type=float, default=d.tv_weight, help="total-variation prior weight")
     inv.add_argument("--reg-noise-std", type=float, default=d.reg_noise_std, help="DIP input noise regularisation")
     inv.add_argument("--downsample", choices=("avg", "stride"), default=d.downsample, help="how each generator level halves")
-    inv.add_argument("--upsample", choices=("nearest", "bilinear"), default=d.upsample, help="how each generator level doubles")
+    inv.add_argument("--upsample", choices=("nearest", "bilinear"), help="how each generator level doubles (default: from --settings)")
     inv.add_argument("--padding", choices=("zeros", "reflect"), default=d.padding, help="padding of the generator's convolutions")
     canvas = "pow2" if d.pad_to_power_of_two else "native"
     inv.add_argument("--canvas", choices=("pow2", "native"), default=canvas, help="generate on a power-of-2 canvas or at the image size")
@@ -142,6 +150,13 @@ def _positive(name: str, value: float | None, minimum: float = 1, *, strict: boo
 
 
 def invert_options(args: argparse.Namespace) -> dict[str, Any]:
+    from attacks.dip import PAPER_SETTINGS, DIPConfig
+
+    start: dict[str, Any] = dict(PAPER_SETTINGS) if args.settings == "paper" else {}
+    d = DIPConfig(**start)
+    for name in ("steps", "lr", "upsample"):  # an option given explicitly wins over --settings
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(d, name))
     _positive("--steps", args.steps)
     _positive("--lr", args.lr, 0, strict=True)
     _positive("--batch", args.batch)

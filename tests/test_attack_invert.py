@@ -188,6 +188,26 @@ def test_cli_invert_and_compare_write_results(fedre_run, capsys):
     assert "counterfactual" in (folder / "index.html").read_text()
 
 
+def test_cli_settings_start_from_privfl_or_the_dip_papers_and_explicit_options_win(fedre_run):
+    from attacks.dip import PAPER_SETTINGS, DIPConfig
+    from privfl.attack import build_parser, invert_options
+
+    def resolved(*extra: str) -> dict[str, Any]:
+        args = build_parser().parse_args(["invert", "--artifact", "ent_rep", *extra])
+        return {k: invert_options(args)[k] for k in ("steps", "lr", "upsample")}
+
+    d = DIPConfig()
+    assert resolved() == {"steps": d.steps, "lr": d.lr, "upsample": d.upsample}
+    assert resolved("--settings", "paper") == PAPER_SETTINGS == {"steps": 3100, "lr": 1e-3, "upsample": "nearest"}
+    assert resolved("--settings", "paper", "--steps", "7") == {**PAPER_SETTINGS, "steps": 7}
+    assert resolved("--upsample", "nearest")["upsample"] == "nearest"
+    # what ran is recorded with the result
+    argv = ["invert", "--artifact", "ent_rep", "--run", str(fedre_run), "--no-progress", "--clients", "0", "--max-targets", "1"]
+    assert attack_main([*argv, "--settings", "paper", "--steps", "2"]) == 0
+    data = json.loads((fedre_run / "attacks" / "invert-ent_rep-r1" / "metrics.json").read_text())
+    assert {k: data["protocol"]["dip"][k] for k in ("steps", "lr", "upsample")} == {**PAPER_SETTINGS, "steps": 2}
+
+
 def _err(capsys, argv) -> str:
     code = run_cli("privfl.attack", lambda: attack_main(argv))
     err = capsys.readouterr().err.strip()
