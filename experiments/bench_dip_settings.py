@@ -18,17 +18,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from attacks.dip import PAPER_SETTINGS, DIPConfig, invert  # noqa: E402
 from attacks.metrics import psnr  # noqa: E402
-from experiments.benchlib import record  # noqa: E402
+from experiments.benchlib import inversion_targets, record  # noqa: E402
 from privfl.engine import resolve_device  # noqa: E402
-from privfl.run import Run  # noqa: E402
 from privfl.seeding import derive_seed  # noqa: E402
 
 
@@ -41,21 +38,13 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     args = p.parse_args()
     device = resolve_device(args.device)
-    run = Run.open(args.run)
-    view, truth = run.attacker, run.ground_truth()  # this bench picks the targets itself: it needs the truth
-    rnd = max(r["round"] for r in view.extractor_records() if r["client"] == args.client)
-    model = view.extractor(args.client, rnd, device)
-    images = truth.images(truth.client_train(args.client)[: args.k])
-    ds = view.dataset
-    mean, std = torch.tensor(ds["mean"]).view(1, -1, 1, 1), torch.tensor(ds["std"]).view(1, -1, 1, 1)
-    with torch.no_grad():
-        targets = model.represent(((images - mean) / std).to(device)).cpu()
-    shape = (ds["channels"], ds["image_size"], ds["image_size"])
+    t = inversion_targets(args.run, args.client, args.k, device)
+    images, targets = t.images, t.targets
     seeds = [derive_seed(0, "bench-dip", i) for i in range(args.k)]
 
     def attack(cfg: DIPConfig, every: int) -> tuple[float, dict[int, float]]:
         marks = list(range(every, cfg.steps + 1, every))
-        result = invert(model.represent, targets, shape, ds["mean"], ds["std"], cfg, seeds, device=device, snapshot_steps=marks)
+        result = invert(t.represent, targets, t.shape, t.mean, t.std, cfg, seeds, device=device, snapshot_steps=marks)
         return result.seconds, {s: psnr(result.snapshots[s], images).mean().item() for s in marks}
 
     paper, ours = DIPConfig(**PAPER_SETTINGS), DIPConfig()  # type: ignore[arg-type]
@@ -63,7 +52,7 @@ def main() -> int:
     t_ours, curve_ours = attack(ours, args.every)
     bar = curve_paper[max(curve_paper)]
     reached = next((s for s in sorted(curve_ours) if curve_ours[s] >= bar), None)
-    print(f"run {run.path}, {args.client} r{rnd}, K={args.k} targets batched, device {device}")
+    print(f"run {t.run_path}, {args.client} r{t.round}, K={args.k} targets batched, device {device}")
     print(f"DIP authors' settings ({paper.steps} steps, lr {paper.lr:g}, {paper.upsample}): {t_paper / args.k:.2f} s per target, PSNR {bar:.2f} dB")
     final = curve_ours[ours.steps]
     print(f"privfl defaults ({ours.steps} steps, lr {ours.lr:g}, {ours.upsample}): {t_ours / args.k:.2f} s per target, PSNR {final:.2f} dB")

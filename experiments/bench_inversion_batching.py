@@ -19,14 +19,13 @@ import torch
 from attacks.dip import DIPConfig, invert
 from attacks.metrics import psnr
 from privfl.engine import resolve_device
-from privfl.run import Run
 from privfl.seeding import derive_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from experiments.benchlib import record  # noqa: E402
+from experiments.benchlib import inversion_targets, record  # noqa: E402
 
 
 def main() -> int:
@@ -38,26 +37,17 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     args = p.parse_args()
     device = resolve_device(args.device)
-    run = Run.open(args.run)
-    view, truth = run.attacker, run.ground_truth()  # this bench picks the targets itself: it needs the truth
-    rnd = max(r["round"] for r in view.extractor_records() if r["client"] == args.client)
-    model = view.extractor(args.client, rnd, device)
-    idx = truth.client_train(args.client)[: args.k]
-    images = truth.images(idx)
-    ds = view.dataset
-    mean, std = torch.tensor(ds["mean"]).view(1, -1, 1, 1), torch.tensor(ds["std"]).view(1, -1, 1, 1)
-    with torch.no_grad():
-        targets = model.represent(((images - mean) / std).to(device)).cpu()
-    shape = (ds["channels"], ds["image_size"], ds["image_size"])
+    t = inversion_targets(args.run, args.client, args.k, device)
+    targets, images = t.targets.cpu(), t.images
     cfg = DIPConfig(steps=args.steps)
     seeds = [derive_seed(0, "bench", i) for i in range(args.k)]
-    batched = invert(model.represent, targets, shape, ds["mean"], ds["std"], cfg, seeds, device=device)
-    singles = [invert(model.represent, targets[i : i + 1], shape, ds["mean"], ds["std"], cfg, [seeds[i]], device=device) for i in range(args.k)]
+    batched = invert(t.represent, targets, t.shape, t.mean, t.std, cfg, seeds, device=device)
+    singles = [invert(t.represent, targets[i : i + 1], t.shape, t.mean, t.std, cfg, [seeds[i]], device=device) for i in range(args.k)]
     t_batched = batched.seconds / args.k
     t_single = sum(s.seconds for s in singles) / args.k
     psnr_b = psnr(batched.images, images).mean().item()
     psnr_s = psnr(torch.cat([s.images for s in singles]), images).mean().item()
-    print(f"run {run.path}, {args.client} r{rnd}, K={args.k}, {args.steps} DIP steps, device {device}")
+    print(f"run {t.run_path}, {args.client} r{t.round}, K={args.k}, {args.steps} DIP steps, device {device}")
     print(f"one at a time: {t_single:.3f} s per target   (mean PSNR {psnr_s:.2f} dB)")
     print(f"batched (K={args.k}): {t_batched:.3f} s per target   (mean PSNR {psnr_b:.2f} dB)")
     print(f"speed-up batched vs one at a time: {t_single / t_batched:.2f}x")

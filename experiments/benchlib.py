@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 
 def record(bench: str, measure: str, a_label: str, a: float, b_label: str, b: float, unit: str, note: str = "") -> None:
@@ -30,3 +34,37 @@ def record_value(bench: str, measure: str, value: float, unit: str, note: str = 
     row = {"bench": bench, "measure": measure, "a_label": "", "a": None, "b_label": "", "b": value, "unit": unit, "note": note, "ratio": None}
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
+
+
+@dataclass
+class InversionTargets:
+    """A client's own images and their representations through its stored extractor: what the DIP
+    experiments invert. They pick their targets by reading the ground truth, as no attack may."""
+
+    run_path: str
+    client: str
+    round: int
+    represent: Callable[[torch.Tensor], torch.Tensor]
+    images: torch.Tensor  # (K, C, H, W) in [0, 1]
+    targets: torch.Tensor  # (K, d) on the device
+    shape: tuple[int, int, int]
+    mean: list[float]
+    std: list[float]
+
+
+def inversion_targets(run_path: str | None, client: str, k: int, device: str | torch.device = "cpu") -> InversionTargets:
+    """The first ``k`` training images of ``client`` and their representations at the last round whose
+    extractor the run stores."""
+    from privfl.run import Run
+
+    run = Run.open(run_path)
+    view, truth = run.attacker, run.ground_truth()
+    rnd = max(r["round"] for r in view.extractor_records() if r["client"] == client)
+    model = view.extractor(client, rnd, device)
+    images = truth.images(truth.client_train(client)[:k])
+    ds = view.dataset
+    mean, std = torch.tensor(ds["mean"]).view(1, -1, 1, 1), torch.tensor(ds["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        targets = model.represent(((images - mean) / std).to(device))
+    shape = (ds["channels"], ds["image_size"], ds["image_size"])
+    return InversionTargets(str(run.path), client, rnd, model.represent, images, targets, shape, list(ds["mean"]), list(ds["std"]))

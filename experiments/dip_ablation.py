@@ -18,15 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from attacks.dip import DIPConfig, invert  # noqa: E402
 from attacks.metrics import psnr  # noqa: E402
-from privfl.run import Run  # noqa: E402
+from experiments.benchlib import inversion_targets  # noqa: E402
 from privfl.seeding import derive_seed  # noqa: E402
 
 OLD = {"downsample": "avg", "upsample": "nearest", "padding": "zeros", "pad_to_power_of_two": True}
@@ -55,27 +53,18 @@ def main() -> int:
     p.add_argument("--lr", default="0.001", help="comma list of Adam learning rates; every variant runs with each")
     args = p.parse_args()
     steps = sorted(int(s) for s in args.steps.split(","))
-    run = Run.open(args.run)
-    view, truth = run.attacker, run.ground_truth()  # this experiment picks its targets: it needs the truth
-    rnd = max(r["round"] for r in view.extractor_records() if r["client"] == args.client)
-    model = view.extractor(args.client, rnd, "cpu")
-    idx = truth.client_train(args.client)[: args.targets]
-    images = truth.images(idx)
-    ds = view.dataset
-    mean, std = torch.tensor(ds["mean"]).view(1, -1, 1, 1), torch.tensor(ds["std"]).view(1, -1, 1, 1)
-    with torch.no_grad():
-        targets = model.represent((images - mean) / std)
-    shape = (ds["channels"], ds["image_size"], ds["image_size"])
+    t = inversion_targets(args.run, args.client, args.targets)
+    images, targets = t.images, t.targets
     seeds = [derive_seed(0, "dip-ablation", i) for i in range(args.targets)]
     names = list(VARIANTS)
     chosen = [names[int(i)] for i in args.variants.split(",")] if args.variants else names
-    print(f"run {run.path}, {args.client} ({view.arch(args.client) if hasattr(view, 'arch') else ''}) r{rnd}, {args.targets} targets, batched")
+    print(f"run {t.run_path}, {args.client} r{t.round}, {args.targets} targets, batched")
     print("| variant | " + " | ".join(f"PSNR @{s}" for s in steps) + " | s/step (batch) | final feature MSE |")
     print("|---|" + "---:|" * (len(steps) + 2))
     for name, lr in [(n, float(lr)) for n in chosen for lr in args.lr.split(",")]:
         cfg = DIPConfig(steps=steps[-1], lr=lr, **VARIANTS[name])
         t0 = time.perf_counter()
-        result = invert(model.represent, targets, shape, ds["mean"], ds["std"], cfg, seeds, snapshot_steps=steps)
+        result = invert(t.represent, targets, t.shape, t.mean, t.std, cfg, seeds, snapshot_steps=steps)
         seconds = time.perf_counter() - t0
         cells = [f"{psnr(result.snapshots[s], images).mean().item():.2f}" for s in steps]
         print(f"| {name}, lr {lr:g} | " + " | ".join(cells) + f" | {seconds / steps[-1]:.4f} | {result.feature_loss.mean().item():.4g} |", flush=True)
