@@ -5,7 +5,7 @@ so that the attacked extractor maps ``G(z)`` onto the target representation: the
 is the only image prior. The generator is the DIP authors' feature-inversion skip net (input depth 32,
 channels 16-32-64-128-128-128, skip 4, filters 7-7-5-5-3-3, average-pool downsampling, LeakyReLU, zero
 padding, sigmoid output, z ~ U(0,1)*0.1 fixed, MSE in feature space). The FedRE papers give none of
-these (shared/specs/fedre.md §2.3). Two defaults differ from the DIP authors' setting
+these (shared/specs/fedre.md §2.3). Three defaults differ from the DIP authors' setting
 (:data:`PAPER_SETTINGS`: nearest upsampling, Adam lr 1e-3, 3100 steps) because privfl's ablation
 (``experiments/dip_ablation.py``, docs/attacks.md) measured a much faster route to a higher PSNR on
 FedRE's representations: bilinear upsampling with Adam lr 3e-2 passes the paper setting's 3100-step
@@ -85,8 +85,8 @@ class DIPConfig:
         return asdict(self)
 
 
-#: the DIP authors' feature-inversion optimisation (Ulyanov et al. 2018, their ``feature_inversion``
-#: notebook): what ``--settings paper`` and the audit's ``paper`` profile use instead of privfl's defaults
+#: the DIP authors' feature-inversion optimisation (Ulyanov et al. 2018): what ``--settings paper`` and
+#: the audit's ``paper`` profile use instead of privfl's defaults
 PAPER_SETTINGS: dict[str, object] = {"steps": 3100, "lr": 1e-3, "upsample": "nearest"}
 
 
