@@ -156,6 +156,24 @@ def mark_output(folder: Path, by: str) -> None:
     (folder / OUTPUT_MARKER).write_text(json.dumps(info) + "\n")
 
 
+def _make_folders(folder: Path) -> list[Path]:
+    """Create ``folder`` and the missing folders above it; return the ones this call made, deepest first.
+
+    The path is walked top down as given, ``..`` included, and a folder is listed only when its own
+    ``mkdir`` succeeded: asking "did it exist?" before creating anything would list ``new/../old``
+    while ``new`` is missing, and removing it later would remove ``old``, which was there before."""
+    made: list[Path] = []
+    for path in reversed([folder, *folder.parents]):
+        if path.exists():
+            continue
+        try:
+            os.mkdir(path)
+        except FileExistsError:  # another process made it meanwhile: not ours to remove
+            continue
+        made.append(path)
+    return made[::-1]
+
+
 class RunClaim:
     """Exclusive ownership of a run directory by the one process that writes it.
 
@@ -176,9 +194,7 @@ class RunClaim:
 
     def acquire(self, *, create: bool) -> None:
         if create:
-            missing = [p for p in [self.run_dir.parent, *self.run_dir.parent.parents] if not p.exists()]
-            self.run_dir.parent.mkdir(parents=True, exist_ok=True)
-            self.created_parents = missing
+            self.created_parents = _make_folders(self.run_dir.parent)
             try:
                 os.mkdir(self.run_dir)
             except FileExistsError:

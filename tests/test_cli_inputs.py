@@ -118,6 +118,10 @@ def test_a_refusal_while_setting_up_leaves_no_folder_it_made(tmp_path, capsys, a
     kept.mkdir()
     assert cli_error(capsys, "privfl.train", train_main, [*argv, "--subsample", "300", "--out-dir", str(kept / "runs")]) == message
     assert kept.is_dir() and list(kept.iterdir()) == []
+    # through '..': "new/../kept" is kept itself once new exists, and must survive the clean-up
+    through = tmp_path / "new" / ".." / "kept" / "runs"
+    assert cli_error(capsys, "privfl.train", train_main, [*argv, "--subsample", "300", "--out-dir", str(through)]) == message
+    assert kept.is_dir() and list(kept.iterdir()) == [] and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize(
