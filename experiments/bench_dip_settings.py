@@ -24,18 +24,15 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from attacks.dip import PAPER_SETTINGS, DIPConfig, invert  # noqa: E402
 from attacks.metrics import psnr  # noqa: E402
-from experiments.benchlib import inversion_targets, record  # noqa: E402
+from experiments.benchlib import add_target_options, inversion_targets, record  # noqa: E402
 from privfl.engine import resolve_device  # noqa: E402
 from privfl.seeding import derive_seed  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run")
-    p.add_argument("--client", default="client0")
-    p.add_argument("--k", type=int, default=4)
+    add_target_options(p, k=4)
     p.add_argument("--every", type=int, default=25, help="read privfl's PSNR every this many steps")
-    p.add_argument("--device", default="auto")
     args = p.parse_args()
     device = resolve_device(args.device)
     t = inversion_targets(args.run, args.client, args.k, device)

@@ -25,16 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from experiments.benchlib import inversion_targets, record  # noqa: E402
+from experiments.benchlib import add_target_options, inversion_targets, record  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run")
-    p.add_argument("--client", default="client0")
-    p.add_argument("--k", type=int, default=8)
+    add_target_options(p, k=8)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", default="auto")
     args = p.parse_args()
     device = resolve_device(args.device)
     t = inversion_targets(args.run, args.client, args.k, device)

@@ -7,6 +7,7 @@ run, their values, and the ratio ``b / a``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable
@@ -68,3 +69,11 @@ def inversion_targets(run_path: str | None, client: str, k: int, device: str | t
         targets = model.represent(((images - mean) / std).to(device))
     shape = (ds["channels"], ds["image_size"], ds["image_size"])
     return InversionTargets(str(run.path), client, rnd, model.represent, images, targets, shape, list(ds["mean"]), list(ds["std"]))
+
+
+def add_target_options(parser: argparse.ArgumentParser, k: int) -> None:
+    """``--run``, ``--client``, ``--k`` and ``--device``: which targets :func:`inversion_targets` picks, and where."""
+    parser.add_argument("--run", help="a FedRE run with stored client extractors (default: the latest)")
+    parser.add_argument("--client", default="client0")
+    parser.add_argument("--k", type=int, default=k, help="targets: the client's first K training images")
+    parser.add_argument("--device", default="auto")
