@@ -630,22 +630,24 @@ def global_test_indices(test_sets: list[torch.Tensor], n: int, seed: int) -> tor
     return union.to(test_sets[0].device)
 
 
-def weighted_state_average(uploads: list[Message], reference: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
-    """FedAvg's aggregate: the uploads' tensors averaged with weights ``meta["num_samples"]``, in float64,
-    cast back to ``reference``'s dtypes (integer buffers such as BatchNorm's counters are rounded)."""
-    total_weight = 0.0
+def average_states(received: list[Message], reference: dict[str, torch.Tensor], weighting: str = "samples") -> dict[str, torch.Tensor]:
+    """FedAvg's aggregate: the mean of the received state dicts, weighted by their ``num_samples``
+    (``samples``) or not (``uniform``), accumulated in float64 in the order received (so FedAvg, FedProx,
+    FedBN and FedGen's model variant agree bit for bit) and cast to ``reference``'s dtypes and device;
+    integer buffers such as BatchNorm's counters are rounded."""
+    total = 0.0
     acc: dict[str, torch.Tensor] = {}
-    for received in uploads:
-        w = float(received.meta["num_samples"])
-        total_weight += w
-        for k, v in received.tensors.items():
-            v = v.to(device, torch.float64) * w
+    for msg in received:
+        w = float(msg.meta["num_samples"]) if weighting == "samples" else 1.0
+        total += w
+        for k, v in msg.tensors.items():
+            v = v.to(reference[k].device, torch.float64) * w
             acc[k] = acc[k] + v if k in acc else v
-    averaged = {}
+    out = {}
     for k, v in acc.items():
-        mean = v / total_weight
-        averaged[k] = mean.round().to(reference[k].dtype) if not reference[k].is_floating_point() else mean.to(reference[k].dtype)
-    return averaged
+        mean = v / total
+        out[k] = mean.to(reference[k].dtype) if reference[k].is_floating_point() else mean.round().to(reference[k].dtype)
+    return out
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

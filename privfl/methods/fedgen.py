@@ -99,9 +99,9 @@ from privfl.methods.base import (
     ClientReply,
     FLMethod,
     LeakageContext,
+    average_states,
     load_module_tensors,
     module_tensors,
-    weighted_state_average,
 )
 from privfl.seeding import seed_global, torch_generator
 
@@ -404,7 +404,7 @@ class FedGen(FLMethod):
                 gen=torch_generator(self.cfg.seed, "fedgen-server", rnd),
             )
         if self.global_model is not None:
-            averaged = weighted_state_average(received, self.global_model.state_dict(), self.env.device)
+            averaged = average_states(received, self.global_model.state_dict())
             self.global_model.load_state_dict(averaged)
             load_head_state(self.head, {k: v for k, v in averaged.items() if k.startswith(HEAD_PREFIX)})
             return loss

@@ -60,28 +60,9 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
+from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, average_states, module_tensors
 from privfl.methods.trainer import Objective, cross_entropy
 from privfl.seeding import numpy_rng
-
-
-def average_states(received: list[Message], reference: dict[str, torch.Tensor], weighting: str = "samples") -> dict[str, torch.Tensor]:
-    """The mean of the received state dicts, weighted by their ``num_samples`` (``samples``) or not
-    (``uniform``), accumulated in float64 in the order received (FedAvg's order, so that the results
-    agree bit for bit) and cast to ``reference``'s dtypes; integer buffers are rounded."""
-    total = 0.0
-    acc: dict[str, torch.Tensor] = {}
-    for msg in received:
-        w = float(msg.meta["num_samples"]) if weighting == "samples" else 1.0
-        total += w
-        for k, v in msg.tensors.items():
-            v = v.to(reference[k].device, torch.float64) * w
-            acc[k] = acc[k] + v if k in acc else v
-    out = {}
-    for k, v in acc.items():
-        mean = v / total
-        out[k] = mean.to(reference[k].dtype) if reference[k].is_floating_point() else mean.round().to(reference[k].dtype)
-    return out
 
 
 def proximal_objective(anchor: dict[str, torch.Tensor], mu: float) -> Objective:

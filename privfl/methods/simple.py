@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, module_tensors, weighted_state_average
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, average_states, module_tensors
 
 
 @METHODS.register("local")
@@ -39,6 +39,6 @@ class FedAvg(GlobalModelServer):
 
     def server_round(self, rnd: int, uploads: list[Message]) -> dict[str, float]:
         """Average the uploads weighted by ``num_samples`` (in float64), then broadcast."""
-        self.global_model.load_state_dict(weighted_state_average(uploads, self.global_model.state_dict(), self.env.device))
+        self.global_model.load_state_dict(average_states(uploads, self.global_model.state_dict()))
         self.broadcast(rnd)
         return {}
