@@ -19,7 +19,7 @@ $(FMNIST):
 
 # the main job: train FedRE on Fashion-MNIST with every exchange captured, then invert what one
 # client sent beside its per-sample representations and prototypes (FedRE Figure 4) -> gallery + HTML.
-# 1000 DIP steps instead of DIP's 3100 keep it to minutes on a CPU.
+# 1000 DIP steps (privfl's default since its DIP ablation, docs/attacks.md) keep it to minutes on a CPU.
 DEMO_STEPS ?= 1000
 demo: setup
 	$(PY) -m privfl.train fedre
