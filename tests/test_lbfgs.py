@@ -1,0 +1,74 @@
+"""LockstepLBFGS runs torch.optim.LBFGS's iteration on every problem of a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attacks.lbfgs import LockstepLBFGS
+
+
+def rosenbrock(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One Rosenbrock valley per row of ``x`` (P, n), each with its own (a, b): losses (P,)."""
+    return ((a.unsqueeze(1) - x[:, :-1]) ** 2 + b.unsqueeze(1) * (x[:, 1:] - x[:, :-1] ** 2) ** 2).sum(1)
+
+
+def torch_lbfgs(x0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, steps: int, **kw) -> tuple[torch.Tensor, list[float]]:
+    """One problem solved alone by torch.optim.LBFGS (the reference)."""
+    x = x0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([x], **kw)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = rosenbrock(x.unsqueeze(0), a.view(1), b.view(1)).sum()
+        loss.backward()
+        return loss
+
+    losses = [float(opt.step(closure).detach()) for _ in range(steps)]
+    return x.detach(), losses
+
+
+@pytest.mark.parametrize("kw", [{"lr": 1.0, "max_iter": 20}, {"lr": 0.5, "max_iter": 7, "history_size": 5}])
+def test_each_problem_follows_torch_lbfgs_as_if_solved_alone(kw: dict) -> None:
+    gen = torch.Generator().manual_seed(0)
+    problems, n = 4, 6
+    x0 = torch.randn(problems, n, generator=gen, dtype=torch.float64) * 0.5
+    a = torch.tensor([1.0, 0.5, -0.3, 2.0], dtype=torch.float64)
+    b = torch.tensor([5.0, 1.0, 10.0, 0.5], dtype=torch.float64)
+    x = x0.clone().requires_grad_(True)
+    opt = LockstepLBFGS([x], **kw)
+
+    def closure() -> torch.Tensor:
+        losses = rosenbrock(x, a, b)
+        losses.sum().backward()
+        return losses
+
+    steps = 4
+    batched = [opt.step(closure) for _ in range(steps)]
+    for p in range(problems):
+        alone, alone_losses = torch_lbfgs(x0[p], a[p], b[p], steps, **kw)
+        # with history_size 5 the shared ring can drop a problem's pair early: only the first steps must agree then
+        if kw.get("history_size", 100) >= steps * kw["max_iter"]:
+            torch.testing.assert_close(x.detach()[p], alone, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(torch.stack(batched)[:, p], torch.tensor(alone_losses, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+        else:
+            assert float(batched[0][p]) == pytest.approx(alone_losses[0], rel=1e-12)
+            assert float(batched[1][p]) == pytest.approx(alone_losses[1], rel=1e-9)
+
+
+def test_a_converged_problem_waits_while_the_others_go_on_and_frozen_ones_never_move() -> None:
+    a = torch.tensor([1.0, 1.0, 1.0])
+    b = torch.tensor([1.0, 1.0, 1.0])
+    x = torch.stack([torch.ones(3), torch.full((3,), -1.0), torch.zeros(3)]).requires_grad_(True)  # row 0 sits at the minimum
+    opt = LockstepLBFGS([x])
+    opt.freeze(torch.tensor([False, False, True]))
+
+    def closure() -> torch.Tensor:
+        losses = rosenbrock(x, a, b)
+        losses.sum().backward()
+        return losses
+
+    opt.step(closure)
+    assert torch.equal(x.detach()[0], torch.ones(3))  # gradient zero: it never moved
+    assert torch.equal(x.detach()[2], torch.zeros(3))  # frozen
+    assert not torch.equal(x.detach()[1], torch.full((3,), -1.0))
