@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, cast
 
@@ -33,6 +34,7 @@ from torch.func import functional_call
 
 from attacks.base import KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
 from attacks.context import context_of, leakage_module, module_tensor_names, previous_state
+from attacks.lbfgs import LockstepLBFGS
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS, Family, ParamForm
@@ -57,6 +59,8 @@ class GradLeakConfig:
     local_steps: int | str = 1
     local_lr: float = 0.1  # the unrolled steps' lr (attacks on a run use the message's lr, else the run's)
     max_batch: int = 8  # attacks on a run: the largest batch rebuilt from one message
+    #: attacks on a run: targets optimised together by :func:`leak_batch` (1: one at a time with :func:`leak`)
+    batch: int = 8
     #: idlg/ig with batch > 1: "last-layer" reads the labels off the last layer's gradient first
     #: (:func:`batch_labels`), "joint" optimises soft labels with the data as DLG does
     batch_label_rule: str = "last-layer"
@@ -89,12 +93,12 @@ class LeakResult:
     label_source: str
 
 
-def idlg_label(grads: dict[str, torch.Tensor], last_weight: str) -> int:
+def idlg_label(grads: Mapping[str, torch.Tensor], last_weight: str) -> int:
     """iDLG: the class whose last-layer weight-gradient row sums to the most negative value."""
     return int(grads[last_weight].sum(dim=1).argmin())
 
 
-def batch_labels(grads: dict[str, torch.Tensor], last_weight: str, batch_size: int) -> torch.Tensor:
+def batch_labels(grads: Mapping[str, torch.Tensor], last_weight: str, batch_size: int) -> torch.Tensor:
     """Labels of a batch read off the last layer (Yin et al., "See through Gradients", CVPR 2021):
     with non-negative features, the row of a class present in the batch has a negative minimum, so the
     ``batch_size`` rows with the most negative minima are the batch's labels. Exact when the labels are
@@ -173,15 +177,7 @@ def leak(
         p.requires_grad_(n in names)
     params = {n: own[n] for n in names}  # differentiated through, never stepped
     target = {n: target[n].to(device).float() for n in names}
-    label_source = "given"
-    last_weights = [n for n in names if target[n].dim() == 2 and target[n].shape[0] == num_classes]
-    if labels is None and cfg.variant in ("idlg", "ig") and last_weights:
-        if batch_size == 1:
-            labels = torch.tensor([idlg_label(target, last_weights[-1])])
-            label_source = "idlg (last-layer gradient sign)"
-        elif cfg.batch_label_rule == "last-layer" and batch_size <= num_classes:
-            labels = batch_labels(target, last_weights[-1], batch_size)
-            label_source = "last-layer row minima (Yin et al. 2021; assumes distinct labels)"
+    labels, label_source = _read_labels(target, names, labels, cfg, batch_size, num_classes)
     start = time.perf_counter()
     best: LeakResult | None = None
     for restart in range(max(1, cfg.restarts)):
@@ -260,6 +256,230 @@ def leak(
 
 def _param_names_all(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
+
+
+def _read_labels(
+    target: Mapping[str, torch.Tensor], names: list[str], labels: torch.Tensor | None, cfg: GradLeakConfig, batch_size: int, num_classes: int
+) -> tuple[torch.Tensor | None, str]:
+    """The labels the variant reads off the observed last layer before optimising (None: DLG's joint
+    optimisation), and where they came from."""
+    if labels is not None:
+        return labels, "given"
+    last_weights = [n for n in names if target[n].dim() == 2 and target[n].shape[0] == num_classes]
+    if cfg.variant in ("idlg", "ig") and last_weights:
+        if batch_size == 1:
+            return torch.tensor([idlg_label(target, last_weights[-1])]), "idlg (last-layer gradient sign)"
+        if cfg.batch_label_rule == "last-layer" and batch_size <= num_classes:
+            return batch_labels(target, last_weights[-1], batch_size), "last-layer row minima (Yin et al. 2021; assumes distinct labels)"
+    return None, "given"
+
+
+def functional_gradient(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    x: torch.Tensor,
+    y_soft: torch.Tensor,
+    local_steps: int,
+    local_lr: float,
+) -> dict[str, torch.Tensor]:
+    """:func:`model_gradient` written with ``torch.func`` so that :func:`torch.func.vmap` can run it for
+    many problems at once: the gradient of the soft-label CE in the parameters ``names`` of ``state``
+    (the rest of ``state``, e.g. BatchNorm buffers, is held fixed), or for ``local_steps`` > 1 the
+    unrolled update ``(params_0 - params_T) / local_lr``."""
+    fixed = {n: t for n, t in state.items() if n not in names}
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = functional_call(model, {**fixed, **params}, (x,))
+        return -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean()
+
+    start = {n: state[n] for n in names}
+    current = start
+    for _ in range(local_steps):
+        grads = torch.func.grad(loss)(current)
+        if local_steps == 1:
+            return grads
+        current = {n: current[n] - local_lr * grads[n] for n in names}
+    return {n: (start[n] - current[n]) / local_lr for n in names}
+
+
+def leak_batch(
+    model: nn.Module,
+    targets: Sequence[Mapping[str, torch.Tensor]],
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    cfg: GradLeakConfig,
+    *,
+    seeds: Sequence[int],
+    states: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    batch_size: int = 1,
+    box: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | str = "cpu",
+    progress: Callable[[int, float], None] | None = None,
+) -> list[LeakResult]:
+    """:func:`leak` for several targets (and all their restarts) in one vectorised optimisation.
+
+    Every (target, restart) pair is an independent problem with the initial dummies :func:`leak` draws
+    for it (same seed, same draws); one closure evaluates all of them with ``torch.func.vmap``, so its
+    per-operator overhead, which dominates these small double-backward graphs on a CPU, is paid once.
+    The optimiser keeps each problem apart: DLG/iDLG use :class:`attacks.lbfgs.LockstepLBFGS`
+    (``torch.optim.LBFGS``'s iteration per problem; its docstring says where its history differs),
+    Inverting Gradients Adam on the sign of the gradient, which is element-wise and so exactly
+    per-problem. A problem whose iterate stops being finite keeps its last finite iterate and stops,
+    as in :func:`leak`. ``states``: each target's model state (parameters and buffers, e.g. the
+    previous global model its sender received); None: ``model``'s own for every target. Results come
+    back in target order, each with the lowest-loss restart and ``seconds`` = the batch's time / targets.
+    """
+    if cfg.variant not in VARIANTS:
+        raise ConfigError(f"unknown gradient-leakage variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
+    if cfg.batch_label_rule not in BATCH_LABEL_RULES:
+        raise ConfigError(f"unknown batch_label_rule {cfg.batch_label_rule!r}; accepted: {', '.join(BATCH_LABEL_RULES)}")
+    if len(seeds) != len(targets) or (states is not None and len(states) != len(targets)):
+        raise ValueError("leak_batch needs one seed (and one state, when given) per target")
+    model = model.to(device).eval()
+    names = [n for n in _param_names_all(model) if all(n in t for t in targets)]
+    if not names:
+        raise ConfigError("the observed messages share no parameter names with the model")
+    restarts = max(1, cfg.restarts)
+    problems = [(t, r) for t in range(len(targets)) for r in range(restarts)]
+    observed = [{n: targets[t][n].to(device).float() for n in names} for t in range(len(targets))]
+    read = [_read_labels(obs, names, None, cfg, batch_size, num_classes) for obs in observed]
+    joint = torch.tensor([read[t][0] is None for t, _ in problems], device=device)
+    xs, ys = [], []
+    for t, r in problems:
+        gen = torch.Generator().manual_seed((seeds[t] * 1000 + r) % (2**63))
+        xs.append(torch.randn((batch_size, *input_shape), generator=gen))
+        ys.append(torch.randn((batch_size, num_classes), generator=gen))
+    x = torch.stack(xs).to(device).contiguous().requires_grad_(True)
+    y_logit = torch.stack(ys).to(device).contiguous().requires_grad_(bool(joint.any()))
+    fixed_soft = torch.stack(
+        [
+            F.one_hot(lab.to(device), num_classes).float() if lab is not None else torch.zeros(batch_size, num_classes, device=device)
+            for lab, _ in (read[t] for t, _ in problems)
+        ]
+    )
+    target_stack = {n: torch.stack([observed[t][n] for t, _ in problems]) for n in names}
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if states is None:
+        state: dict[str, torch.Tensor] = {n: v.detach() for n, v in own.items()}
+        state_dim: int | None = None
+    else:
+        state = {n: torch.stack([states[t][n].to(device) if n in states[t] else own[n].detach() for t, _ in problems]) for n in own}
+        state_dim = 0
+    local_steps = cast(int, cfg.local_steps)
+    cosine = cfg.variant == "ig"
+    joint_mask = joint.view(-1, 1, 1)
+
+    def per_problem(st: dict[str, torch.Tensor], xp: torch.Tensor, yp: torch.Tensor, tp: dict[str, torch.Tensor]) -> torch.Tensor:
+        dummy = functional_gradient(model, st, names, xp, yp, local_steps, cfg.local_lr)
+        loss = _distance(dummy, tp, cosine=cosine)
+        if cfg.tv_weight > 0:
+            loss = loss + cfg.tv_weight * _tv(xp)
+        return loss
+
+    batched = torch.func.vmap(per_problem, in_dims=(state_dim, 0, 0, 0))
+
+    def objective() -> torch.Tensor:
+        y_soft = torch.where(joint_mask, F.softmax(y_logit, dim=2), fixed_soft)
+        return batched(state, x, y_soft, target_stack)
+
+    variables = [x, y_logit] if bool(joint.any()) else [x]
+    every = max(1, cfg.steps // max(1, cfg.snapshots))
+    snaps: list[list[tuple[int, torch.Tensor]]] = [[] for _ in problems]
+    start = time.perf_counter()
+    if cfg.variant in ("dlg", "idlg"):
+        opt = LockstepLBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
+
+        def closure() -> torch.Tensor:
+            losses = objective()
+            losses.sum().backward()
+            return losses
+
+        last_good = [v.detach().clone() for v in variables]
+        for step in range(cfg.steps):
+            losses = opt.step(closure)
+            finite = torch.isfinite(losses)
+            for v in variables:
+                finite &= torch.isfinite(v.detach().flatten(1)).all(1)
+            bad = ~finite & ~opt.frozen
+            if bool(bad.any()):  # L-BFGS diverged on these problems: back to their last finite iterate, for good
+                with torch.no_grad():
+                    for v, good in zip(variables, last_good):
+                        v[bad] = good[bad]
+                opt.freeze(bad)
+            if bool(opt.frozen.all()):
+                break
+            live = ~opt.frozen
+            for v, good in zip(variables, last_good):
+                good[live] = v.detach()[live]
+            if progress:
+                progress(step, float(losses[live].mean()))
+            if step % every == 0 or step == cfg.steps - 1:
+                for i in torch.nonzero(live).flatten().tolist():
+                    snaps[i].append((step, x[i].detach().cpu().clone()))
+    else:  # ig
+        adam = torch.optim.Adam(variables, lr=cfg.lr)
+        sched = torch.optim.lr_scheduler.MultiStepLR(adam, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
+        for step in range(cfg.steps):
+            adam.zero_grad()
+            losses = objective()
+            losses.sum().backward()
+            for v in variables:
+                assert v.grad is not None  # every variable is in the graph of the loss
+                v.grad.sign_()
+            adam.step()
+            sched.step()
+            if box is not None:
+                with torch.no_grad():
+                    low, high = box[0].to(device), box[1].to(device)
+                    x.data = torch.max(torch.min(x, high), low)
+            if progress:
+                progress(step, float(losses.detach().mean()))
+            if step % every == 0 or step == cfg.steps - 1:
+                for i in range(len(problems)):
+                    snaps[i].append((step, x[i].detach().cpu().clone()))
+    with torch.enable_grad():
+        final = objective().detach().cpu()
+    seconds = (time.perf_counter() - start) / len(targets)
+    results: list[LeakResult] = []
+    for t in range(len(targets)):
+        best_i = -1
+        for i, (tt, _) in enumerate(problems):  # restarts in order; the first of equal losses wins, as in leak()
+            if tt == t and (best_i < 0 or float(final[i]) < float(final[best_i])):
+                best_i = i
+        labels, source = read[t]
+        recovered = F.softmax(y_logit[best_i], 1).argmax(1) if labels is None else labels
+        results.append(
+            LeakResult(
+                x[best_i].detach().cpu(),
+                recovered.detach().cpu(),
+                float(final[best_i]),
+                seconds,
+                snaps[best_i],
+                "joint (DLG)" if labels is None else source,
+            )
+        )
+    return results
+
+
+@dataclass
+class _Problem:
+    """One target, resolved (:meth:`GradientLeakage.problem`)."""
+
+    target: Target
+    model: nn.Module
+    observed: dict[str, torch.Tensor]
+    batch: int
+    cfg: GradLeakConfig
+    note: str
+    seed: int
+
+
+def _box(ds: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel range of valid images in the normalised input space."""
+    mean = torch.tensor(ds["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(ds["std"]).view(1, -1, 1, 1)
+    return (0 - mean) / std, (1 - mean) / std
 
 
 class GradientLeakage(Attack):
@@ -392,7 +612,9 @@ class GradientLeakage(Attack):
             f"(previous {kind} - {kind}) / (lr * {tau} local steps)",
         )
 
-    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+    def problem(self, target: Target) -> _Problem:
+        """Everything one target's optimisation needs: its module at the sender's previous state, the
+        tensors to match, the batch they stand for, and the resolved local steps and lr."""
         view, record = target.view, target.record
         assert record is not None  # plan_messages makes targets of captured messages only
         _, prev = previous_state(view, record)
@@ -405,27 +627,80 @@ class GradientLeakage(Attack):
         observed, n, lr, note = self.observation(view, record, prev, local_steps)
         names = {n_ for n_, _ in model.named_parameters()}
         observed = {k: v for k, v in model.to_module_names(observed).items() if k in names}
-        batch = max(1, min(n, self.config.max_batch))
-        ds = view.dataset
-        mean = torch.tensor(ds["mean"]).view(1, -1, 1, 1)
-        std = torch.tensor(ds["std"]).view(1, -1, 1, 1)
-        box = ((0 - mean) / std, (1 - mean) / std)
         cfg = dataclasses.replace(self.config, local_steps=local_steps, local_lr=lr)
-        hook = (lambda step, loss: progress(target.client, step, cfg.steps, loss)) if progress else None
+        return _Problem(
+            target, model, observed, max(1, min(n, self.config.max_batch)), cfg, note, derive_seed(self.seed, self.variant, record["seq"])
+        )
+
+    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+        return self._run_one(self.problem(target), progress)
+
+    def _run_one(self, prob: _Problem, progress: Progress | None) -> Reconstruction:
+        target, ds = prob.target, prob.target.view.dataset
+        hook = (lambda step, loss: progress(target.client, step, prob.cfg.steps, loss)) if progress else None
         result = leak(
-            model,
-            observed,
+            prob.model,
+            prob.observed,
             (ds["channels"], ds["image_size"], ds["image_size"]),
             ds["num_classes"],
-            cfg,
-            batch_size=batch,
-            box=box,
-            seed=derive_seed(self.seed, self.variant, record["seq"]),
+            prob.cfg,
+            batch_size=prob.batch,
+            box=_box(ds),
+            seed=prob.seed,
             device=self.device,
             progress=hook,
         )
+        return self._reconstruction(prob, result)
+
+    def run_batch(self, targets: Sequence[Target], progress: Progress | None = None) -> list[Reconstruction]:
+        """Targets that share a module structure, batch, local steps and lr are optimised ``config.batch``
+        at a time by :func:`leak_batch` (each from its own previous state); the rest one by one."""
+        if self.config.batch <= 1 or len(targets) <= 1:
+            return [self.run(t, progress) for t in targets]
+        groups: dict[tuple, list[_Problem]] = defaultdict(list)
+        for t in targets:
+            prob = self.problem(t)
+            layout = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in prob.model.state_dict().items())
+            groups[(type(prob.model).__qualname__, layout, prob.batch, prob.cfg.local_steps, prob.cfg.local_lr)].append(prob)
+        done: dict[int, Reconstruction] = {}
+        for members in groups.values():
+            for begin in range(0, len(members), self.config.batch):
+                chunk = members[begin : begin + self.config.batch]
+                if len(chunk) == 1:
+                    done[id(chunk[0].target)] = self._run_one(chunk[0], progress)
+                    continue
+                first, ds = chunk[0], chunk[0].target.view.dataset
+                label = f"{len(chunk)} targets ({', '.join(sorted({p.target.client for p in chunk}))})"
+
+                def hook(step: int, loss: float, label: str = label, n: int = len(chunk), steps: int = first.cfg.steps) -> None:
+                    for _ in range(n):  # the bar counts steps per target
+                        assert progress is not None
+                        progress(label, step, steps, loss)
+
+                results = leak_batch(
+                    first.model,
+                    [p.observed for p in chunk],
+                    (ds["channels"], ds["image_size"], ds["image_size"]),
+                    ds["num_classes"],
+                    first.cfg,
+                    seeds=[p.seed for p in chunk],
+                    states=[p.model.state_dict() for p in chunk],
+                    batch_size=first.batch,
+                    box=_box(ds),
+                    device=self.device,
+                    progress=hook if progress else None,
+                )
+                for prob, result in zip(chunk, results):
+                    done[id(prob.target)] = self._reconstruction(prob, result, together=len(chunk))
+        return [done[id(t)] for t in targets]
+
+    def _reconstruction(self, prob: _Problem, result: LeakResult, together: int = 1) -> Reconstruction:
+        target, ds = prob.target, prob.target.view.dataset
+        assert target.record is not None  # plan_messages makes targets of captured messages only
+        mean = torch.tensor(ds["mean"]).view(1, -1, 1, 1)
+        std = torch.tensor(ds["std"]).view(1, -1, 1, 1)
         to01 = lambda x: (x * std + mean).clamp(0, 1)  # noqa: E731
-        ctx = context_of(view, record["kind"])
+        ctx = context_of(target.view, target.record["kind"])
         return Reconstruction(
             target,
             to01(result.images),
@@ -435,9 +710,10 @@ class GradientLeakage(Attack):
             [(s, to01(x)) for s, x in result.snapshots],
             {
                 "label_source": result.label_source,
-                "batch_size": batch,
-                "target_note": note,
-                "local_steps": local_steps,
+                "batch_size": prob.batch,
+                "target_note": prob.note,
+                "local_steps": prob.cfg.local_steps,
+                "optimised_with": together,
                 **({"approximation": ctx.note} if ctx.note else {}),
                 **({"warning": target.payload["warning"]} if "warning" in target.payload else {}),
             },
@@ -476,7 +752,9 @@ __all__ = [
     "InvertingGradients",
     "LeakResult",
     "batch_labels",
+    "functional_gradient",
     "idlg_label",
     "leak",
+    "leak_batch",
     "model_gradient",
 ]

@@ -187,6 +187,9 @@ def run_attack(
         protocol["batch_size"] = recons[0].notes.get("batch_size")
     if notes.get("approximation"):
         protocol["approximation"] = notes["approximation"]
+    together = [int(r.notes["optimised_with"]) for r in recons if "optimised_with" in r.notes]
+    if together:  # targets that shared one vectorised optimisation (gradient leakage's --batch)
+        protocol["optimised_together"] = max(together)
     warnings = list(dict.fromkeys(str(r.notes["warning"]) for r in recons if r.notes.get("warning")))
     if warnings:  # a result that rests on a guess says so with the numbers
         protocol["warnings"] = warnings

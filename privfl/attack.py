@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--tv-weight", type=float, help="total variation weight (default: IG 0.1, DLG 0)")
         g.add_argument("--batch-size", type=int, default=8, help="largest batch reconstructed from one message")
         g.add_argument(
+            "--batch",
+            type=int,
+            default=8,
+            help="targets (messages) optimised together in one vectorised optimisation, each with its own L-BFGS or Adam state; 1 = one at a time",
+        )
+        g.add_argument(
             "--batch-label-rule",
             choices=["last-layer", "joint"],
             help="idlg/ig with --batch-size > 1: labels read off the last layer first (default) or optimised jointly",
@@ -185,6 +191,7 @@ def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
     _positive("--lr", args.lr, 0, strict=True)
     _positive("--tv-weight", args.tv_weight, 0)
     _positive("--batch-size", args.batch_size)
+    _positive("--batch", args.batch)
     if args.local_steps == "auto":
         local_steps: int | str = "auto"
     else:
@@ -202,6 +209,7 @@ def gradleak_options(args: argparse.Namespace) -> dict[str, Any]:
         "local_steps": local_steps,
         "batch_label_rule": args.batch_label_rule,
         "max_batch": args.batch_size,
+        "batch": args.batch,
     }
 
 

@@ -6,11 +6,13 @@ experiments/bench_dlg.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.gradleak import GradLeakConfig, batch_labels, idlg_label, leak
+from attacks.gradleak import GradLeakConfig, batch_labels, idlg_label, leak, leak_batch
 from attacks.images import packaged_images
 from attacks.metrics import psnr
 from attacks.victims import SigmoidLeNet
@@ -122,3 +124,47 @@ def test_a_diverging_dlg_returns_its_last_finite_iterate(victim, monkeypatch):
     assert len(calls) == 3  # stopped right after the diverged step
     assert torch.isfinite(r.images).all()
     assert torch.equal(r.images, before[2])  # the iterate the diverged third step started from
+
+
+@pytest.fixture(scope="module")
+def two_images():
+    images, labels = packaged_images("cifar10", 2)
+    model = SigmoidLeNet(3, 100, 32).init_uniform(torch.Generator().manual_seed(0))
+    targets = []
+    for i in range(2):
+        x = (images[i : i + 1] - 0.5) / 0.5
+        params = dict(model.named_parameters())
+        loss = F.cross_entropy(model(x), labels[i : i + 1])
+        targets.append(dict(zip(params, [g.detach() for g in torch.autograd.grad(loss, list(params.values()))])))
+    return model, images, labels, targets
+
+
+def test_batched_idlg_recovers_each_image_from_its_own_gradient(two_images):
+    """Two gradients, one vectorised optimisation: each problem converges to its own image and label."""
+    model, images, labels, targets = two_images
+    results = leak_batch(model, targets, (3, 32, 32), 100, GradLeakConfig.preset("idlg", steps=50), seeds=[0, 1])
+    for i, r in enumerate(results):
+        assert r.labels.tolist() == labels[i : i + 1].tolist() and r.label_source.startswith("idlg")
+        # measured here: 26.0 and 22.4 dB at step 50, from 8.2 and 6.7 dB at the start (rising ~1.6 dB per 5 steps)
+        assert psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() > 18.0
+        assert r.snapshots and r.images.shape == (1, 3, 32, 32)
+
+
+def test_a_batched_problem_that_diverges_stops_alone_at_its_last_finite_iterate(two_images):
+    model, _, _, targets = two_images
+    broken = {k: torch.full_like(v, float("nan")) for k, v in targets[1].items()}
+    good, bad = leak_batch(model, [targets[0], broken], (3, 32, 32), 100, GradLeakConfig.preset("dlg", steps=4), seeds=[0, 1])
+    start = torch.randn((1, 3, 32, 32), generator=torch.Generator().manual_seed(1000))  # leak()'s first draw for seed 1
+    assert torch.equal(bad.images, start) and not bad.snapshots
+    assert torch.isfinite(good.images).all() and good.loss < 1e3 and len(good.snapshots) >= 2
+
+
+def test_batched_inverting_gradients_keeps_every_problem_in_the_box_and_restarts_pick_the_lowest_loss(two_images):
+    model, _, _, targets = two_images
+    box = (torch.full((1, 3, 1, 1), -1.0), torch.full((1, 3, 1, 1), 1.0))
+    cfg = GradLeakConfig.preset("ig", steps=5, restarts=2)
+    results = leak_batch(model, targets, (3, 32, 32), 100, cfg, seeds=[3, 4], box=box)
+    for r in results:
+        assert r.images.min() >= -1.0 and r.images.max() <= 1.0
+    alone = leak_batch(model, targets[:1], (3, 32, 32), 100, dataclasses.replace(cfg, restarts=1), seeds=[3], box=box)[0]
+    assert results[0].loss <= alone.loss * (1 + 1e-4)  # restart 0 is one of the two candidates (up to rounding)

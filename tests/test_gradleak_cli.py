@@ -46,6 +46,16 @@ def test_variants_run_on_updates_and_models(runs, variant, method, kind):
     assert len(data["images"]) == 2 and (folder / "gallery.png").exists()
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_messages_of_one_round_are_attacked_together_or_one_at_a_time(runs, batch):
+    name = f"together-{batch}"
+    argv = ["dlg", "--artifact", "model", "--run", str(runs / "fedavg"), "--clients", "0,1", "--steps", "2", "--batch-size", "1"]
+    assert attack_main([*argv, "--batch", str(batch), "--name", name, "--no-progress"]) == 0
+    data = json.loads((runs / "fedavg" / "attacks" / name / "metrics.json").read_text())
+    assert data["protocol"]["optimised_together"] == batch and data["protocol"]["config"]["batch"] == batch
+    assert len(data["images"]) == 2 and all(row["psnr"] == row["psnr"] for row in data["images"])  # two finite scores
+
+
 def test_bad_input(runs, capsys):
     def err(argv):
         code = run_cli("privfl.attack", lambda: attack_main(argv))
