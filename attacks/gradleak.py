@@ -378,10 +378,18 @@ def leak_batch(
         return loss
 
     batched = torch.func.vmap(per_problem, in_dims=(state_dim, 0, 0, 0))
+    everyone = torch.ones(len(problems), dtype=torch.bool, device=device)
 
-    def objective() -> torch.Tensor:
-        y_soft = torch.where(joint_mask, F.softmax(y_logit, dim=2), fixed_soft)
-        return batched(state, x, y_soft, target_stack)
+    def objective(needed: torch.Tensor = everyone) -> torch.Tensor:
+        """Every needed problem's loss (the others 0): L-BFGS asks for the problems still iterating only."""
+        if bool(needed.all()):
+            y_soft = torch.where(joint_mask, F.softmax(y_logit, dim=2), fixed_soft)
+            return batched(state, x, y_soft, target_stack)
+        idx = torch.nonzero(needed).flatten()
+        y_soft = torch.where(joint_mask[idx], F.softmax(y_logit[idx], dim=2), fixed_soft[idx])
+        sub_state = state if state_dim is None else {n: v[idx] for n, v in state.items()}
+        losses = batched(sub_state, x[idx], y_soft, {n: v[idx] for n, v in target_stack.items()})
+        return torch.zeros(len(problems), dtype=losses.dtype, device=device).index_put((idx,), losses)
 
     variables = [x, y_logit] if bool(joint.any()) else [x]
     every = max(1, cfg.steps // max(1, cfg.snapshots))
@@ -390,8 +398,8 @@ def leak_batch(
     if cfg.variant in ("dlg", "idlg"):
         opt = LockstepLBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
 
-        def closure() -> torch.Tensor:
-            losses = objective()
+        def closure(needed: torch.Tensor) -> torch.Tensor:
+            losses = objective(needed)
             losses.sum().backward()
             return losses
 
@@ -654,8 +662,9 @@ class GradientLeakage(Attack):
 
     def run_batch(self, targets: Sequence[Target], progress: Progress | None = None) -> list[Reconstruction]:
         """Targets that share a module structure, batch, local steps and lr are optimised ``config.batch``
-        at a time by :func:`leak_batch` (each from its own previous state); the rest one by one."""
-        if self.config.batch <= 1 or len(targets) <= 1:
+        at a time by :func:`leak_batch` (each from its own previous state, every restart a problem of its
+        own); a target alone with one restart goes through :func:`leak`."""
+        if self.config.batch <= 1 or (len(targets) <= 1 and self.config.restarts <= 1):
             return [self.run(t, progress) for t in targets]
         groups: dict[tuple, list[_Problem]] = defaultdict(list)
         for t in targets:
@@ -666,7 +675,7 @@ class GradientLeakage(Attack):
         for members in groups.values():
             for begin in range(0, len(members), self.config.batch):
                 chunk = members[begin : begin + self.config.batch]
-                if len(chunk) == 1:
+                if len(chunk) == 1 and self.config.restarts <= 1:  # nothing to optimise together
                     done[id(chunk[0].target)] = self._run_one(chunk[0], progress)
                     continue
                 first, ds = chunk[0], chunk[0].target.view.dataset

@@ -9,19 +9,21 @@ algorithm. :class:`LockstepLBFGS` keeps every piece of state per problem and run
 ``torch.optim.LBFGS``'s iteration (``line_search_fn=None``, the setting DLG uses) on each one:
 
 - the first iteration of a problem steps ``min(1, 1/|g|_1) * lr`` along ``-g``, later ones ``lr``
-  along the two-loop direction with ``H_diag = y.s / y.y`` from the newest accepted pair;
+  along ``-H g`` with ``H`` the L-BFGS inverse-Hessian estimate from the problem's last
+  ``history_size`` accepted pairs and ``H_0 = (y.s / y.y) I`` from the newest;
 - a curvature pair ``(s, y)`` is accepted when ``y.s > 1e-10``;
 - within one :meth:`step`, a problem stops iterating on the same tests as ``torch.optim.LBFGS``
   (gradient below ``tolerance_grad``, ``g.d > -tolerance_change``, a step or a loss change below
   ``tolerance_change``, ``max_iter`` iterations) and waits, unchanged, until the next :meth:`step`.
 
-One difference, by design: the histories of all problems live in one ring of ``history_size`` slots,
-and a slot is used whenever at least one problem accepts a pair; a problem that did not (it waited, or
-its pair failed the curvature test) holds a zero pair there, which the two-loop recursion skips
-exactly (it contributes nothing), but which still counts towards the ``history_size`` newest slots.
-So a problem may remember fewer than ``history_size`` pairs where ``torch.optim.LBFGS`` would keep
-them all. With one problem, or while no problem waits or rejects, the iterates are
-``torch.optim.LBFGS``'s up to floating-point rounding (``tests/test_lbfgs.py`` compares them).
+``H g`` is computed in the compact form of Byrd, Nocedal and Schnabel (Math. Programming 63, 1994,
+Theorem 2.2) rather than by the two-loop recursion ``torch.optim.LBFGS`` uses: the two are the same
+matrix, but the compact form is a handful of batched matrix products and two triangular solves per
+iteration whatever the history length, where the recursion is 2 x ``history_size`` sequential
+vector operations. Each problem has its own ring of ``history_size`` slots; a slot not yet filled
+holds a zero pair, which contributes nothing. The iterates are ``torch.optim.LBFGS``'s up to
+floating-point rounding (``tests/test_lbfgs.py`` compares them in float64, history truncation and
+early stops included).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import torch
 class LockstepLBFGS:
     """L-BFGS on ``P`` independent problems; every variable has the problems along dimension 0.
 
-    The closure zeroes nothing itself: :meth:`step` clears the variables' gradients before each call.
-    It must return the per-problem losses, shape ``(P,)``, after back-propagating their sum (the
-    problems being independent, the sum's gradient is each problem's own gradient).
+    The closure is called with a boolean mask ``(P,)`` of the problems whose loss and gradient are
+    needed (those still iterating in this step; the others' values are not read, so a closure may skip
+    them). It zeroes nothing itself (:meth:`step` clears the variables' gradients before each call) and
+    must return the per-problem losses, shape ``(P,)``, after back-propagating their sum (the problems
+    being independent, the sum's gradient is each problem's own gradient).
     """
 
     def __init__(
@@ -59,10 +63,17 @@ class LockstepLBFGS:
         ref = self.variables[0]
         size = sum(v[0].numel() for v in self.variables)
         p, dtype, device = self.problems, ref.dtype, ref.device
-        self.s_hist = torch.zeros(p, history_size, size, dtype=dtype, device=device)
-        self.y_hist = torch.zeros(p, history_size, size, dtype=dtype, device=device)
-        self.ro = torch.zeros(p, history_size, dtype=dtype, device=device)
-        self.slots: list[int] = []  # ring slots in use, oldest first
+        m = history_size
+        #: the rings, slot layout: rows [0, m) hold each problem's s vectors, rows [m, 2m) its y vectors
+        self.hist = torch.zeros(p, 2 * m, size, dtype=dtype, device=device)
+        self.sy = torch.zeros(p, m, m, dtype=dtype, device=device)  # s_a . y_b for every pair of slots
+        self.yy = torch.zeros(p, m, m, dtype=dtype, device=device)  # y_a . y_b
+        # [S Y]^T g at each problem's last iteration, and Y^T d of its last direction: with them a new pair's
+        # products with the ring are differences and small-matrix products, not another pass over the rings
+        self.hist_g = torch.zeros(p, 2 * m, dtype=dtype, device=device)
+        self.y_d = torch.zeros(p, m, dtype=dtype, device=device)
+        self.count = torch.zeros(p, dtype=torch.long, device=device)  # accepted pairs held (<= m)
+        self.head = torch.zeros(p, dtype=torch.long, device=device)  # the slot the next pair goes to
         self.h_diag = torch.ones(p, dtype=dtype, device=device)
         self.d = torch.zeros(p, size, dtype=dtype, device=device)
         self.t = torch.zeros(p, dtype=dtype, device=device)
@@ -90,11 +101,11 @@ class LockstepLBFGS:
                 v.add_(step[:, offset : offset + n].view_as(v))
                 offset += n
 
-    def _evaluate(self, closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _evaluate(self, closure: Callable[[torch.Tensor], torch.Tensor], needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for v in self.variables:
             v.grad = None
         with torch.enable_grad():
-            losses = closure()
+            losses = closure(needed)
         self.evaluations += 1
         return losses.detach().to(torch.float64), self._flat_grad()
 
@@ -103,54 +114,85 @@ class LockstepLBFGS:
         self.frozen |= mask
 
     # ------------------------------------------------------------------ the iteration
-    def _direction(self, g: torch.Tensor) -> torch.Tensor:
-        """The two-loop recursion for every problem at once, newest slot first."""
-        q = -g
-        alphas = []
-        for slot in reversed(self.slots):
-            a = self.ro[:, slot] * (self.s_hist[:, slot] * q).sum(1)
-            q = q - a.unsqueeze(1) * self.y_hist[:, slot]
-            alphas.append(a)
-        r = q * self.h_diag.unsqueeze(1)
-        for slot, a in zip(self.slots, reversed(alphas)):
-            b = self.ro[:, slot] * (self.y_hist[:, slot] * r).sum(1)
-            r = r + self.s_hist[:, slot] * (a - b).unsqueeze(1)
-        return r
+    def _direction(self, g: torch.Tensor, hist_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``-H g`` for every problem (compact form; slots ordered oldest to newest per problem, the
+        unfilled ones first, as zero pairs with a unit diagonal so that they decouple), and ``Y^T`` of it."""
+        m = self.history_size
+        order = (self.head.unsqueeze(1) + torch.arange(m, device=g.device)) % m  # (P, m): chronological slots
+        used = torch.arange(m, device=g.device).unsqueeze(0) >= (m - self.count).unsqueeze(1)
+        gamma = self.h_diag.unsqueeze(1)
+        u = hist_g[:, :m].gather(1, order)  # S^T g
+        v = hist_g[:, m:].gather(1, order) * gamma  # gamma Y^T g
+        rows_at, cols_at = order.unsqueeze(2).expand(-1, m, m), order.unsqueeze(1).expand(-1, m, m)
+        sy = self.sy.gather(1, rows_at).gather(2, cols_at)
+        yy = self.yy.gather(1, rows_at).gather(2, cols_at)
+        diag = torch.diagonal(sy, dim1=1, dim2=2)
+        r = torch.triu(sy, diagonal=1) + torch.diag_embed(torch.where(used, diag, torch.ones_like(diag)))
+        w = torch.linalg.solve_triangular(r, u.unsqueeze(2), upper=True)  # R^-1 S^T g
+        rhs = (diag * used).unsqueeze(2) * w + gamma.unsqueeze(2) * _matvec(yy, w.squeeze(2)).unsqueeze(2) - v.unsqueeze(2)
+        z = torch.linalg.solve_triangular(r.transpose(1, 2), rhs, upper=False)
+        z_slots = torch.zeros_like(u).scatter(1, order, z.squeeze(2))
+        w_slots = torch.zeros_like(u).scatter(1, order, w.squeeze(2))
+        coef = torch.cat([z_slots, -gamma * w_slots], dim=1).unsqueeze(1)  # H g = gamma g + S z - gamma Y w
+        h_g = g * gamma + torch.bmm(coef, self.hist).squeeze(1)
+        # Y^T H g = gamma Y^T g + (S^T Y)^T z - gamma (Y^T Y) w, all in slot layout
+        y_hg = gamma * hist_g[:, m:] + _matvec(self.sy.transpose(1, 2), z_slots) - gamma * _matvec(self.yy, w_slots)
+        return -h_g, -y_hg
 
-    def _remember(self, g: torch.Tensor, active: torch.Tensor) -> None:
+    def _remember(self, g: torch.Tensor, hist_g: torch.Tensor, active: torch.Tensor) -> None:
         """The curvature pair of every active, started problem from its last move (torch.optim.LBFGS
-        forms it at the start of the next iteration, as here)."""
+        forms it at the start of the next iteration, as here), into that problem's ring; ``hist_g``
+        (``[S Y]^T g`` before the pair) gets the new slot's entries."""
+        m = self.history_size
         y = g - self.prev_grad
         s = self.d * self.t.unsqueeze(1)
         ys = (y * s).sum(1)
         accept = active & self.started & (ys > 1e-10)
         if not bool(accept.any()):
             return
-        if len(self.slots) == self.history_size:
-            slot = self.slots.pop(0)
-        else:
-            slot = len(self.slots)
-        keep = accept.unsqueeze(1).to(s.dtype)
-        self.s_hist[:, slot] = s * keep
-        self.y_hist[:, slot] = y * keep
-        self.ro[:, slot] = torch.where(accept, 1.0 / torch.where(accept, ys, torch.ones_like(ys)), torch.zeros_like(ys))
-        self.slots.append(slot)
+        idx = torch.nonzero(accept).flatten()
+        slot = self.head[idx]
+        # the new pair against the ring (slot `slot` is overwritten below, its entries set last)
+        s_y = hist_g[idx, :m] - self.hist_g[idx, :m]  # s_a . y = s_a . g - s_a . g_prev
+        y_y = hist_g[idx, m:] - self.hist_g[idx, m:]  # y_b . y
+        y_s = self.t[idx].unsqueeze(1) * self.y_d[idx]  # y_b . s = t (Y^T d)_b
+        self.hist[idx, slot] = s[idx]
+        self.hist[idx, m + slot] = y[idx]
+        self.sy[idx, :, slot] = s_y
+        self.sy[idx, slot, :] = y_s
+        self.sy[idx, slot, slot] = ys[idx]
+        self.yy[idx, :, slot] = y_y
+        self.yy[idx, slot, :] = y_y
+        self.yy[idx, slot, slot] = (y[idx] * y[idx]).sum(1)
+        hist_g[idx, slot] = (s[idx] * g[idx]).sum(1)
+        hist_g[idx, m + slot] = (y[idx] * g[idx]).sum(1)
+        self.head[idx] = (slot + 1) % m
+        self.count[idx] = torch.clamp(self.count[idx] + 1, max=m)
         self.h_diag = torch.where(accept, ys / torch.where(accept, (y * y).sum(1), torch.ones_like(ys)), self.h_diag)
 
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def step(self, closure: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One ``torch.optim.LBFGS.step`` for every problem (up to ``max_iter`` iterations each); returns
-        the losses at the start of the step, as ``torch.optim.LBFGS`` does."""
-        losses, g = self._evaluate(closure)
+        the losses at the start of the step, as ``torch.optim.LBFGS`` does (frozen problems' included)."""
+        if bool(self.frozen.all()):
+            return torch.zeros(self.problems, dtype=torch.float64, device=self.frozen.device)
+        losses, g = self._evaluate(closure, ~self.frozen)
         start_losses = losses.clone()
         active = ~self.frozen & ~(g.abs().amax(1) <= self.tolerance_grad)
         n_iter = 0
         while bool(active.any()):
             n_iter += 1
-            self._remember(g, active)
+            hist_g = _matvec(self.hist, g)  # [S Y]^T g: one pass over the rings
+            self._remember(g, hist_g, active)
             first = active & ~self.started
-            d = torch.where(first.unsqueeze(1), -g, self._direction(g)) if self.slots else -g
+            if bool(self.count.any()):
+                d, y_d = self._direction(g, hist_g)
+                d = torch.where(first.unsqueeze(1), -g, d)
+            else:
+                d, y_d = -g, torch.zeros_like(self.y_d)  # no pairs yet: Y is empty
             mask = active.unsqueeze(1)
             self.d = torch.where(mask, d, self.d)
+            self.y_d = torch.where(mask, y_d, self.y_d)
+            self.hist_g = torch.where(mask, hist_g, self.hist_g)
             self.prev_grad = torch.where(mask, g, self.prev_grad)
             self.prev_loss = torch.where(active, losses, self.prev_loss)
             first_t = torch.clamp(1.0 / g.abs().sum(1), max=1.0) * self.lr
@@ -164,12 +206,18 @@ class LockstepLBFGS:
             self._move(step)
             if n_iter == self.max_iter:
                 break
-            losses, g = self._evaluate(closure)
+            losses, g = self._evaluate(closure, active)
             small_grad = g.abs().amax(1) <= self.tolerance_grad
             small_step = (self.d * self.t.unsqueeze(1)).abs().amax(1) <= self.tolerance_change
             small_change = (losses - self.prev_loss).abs() < self.tolerance_change
             active = active & ~small_grad & ~small_step & ~small_change
         return start_losses
+
+
+def _matvec(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``a @ x`` per problem, (P, m, n) x (P, n) -> (P, m), as a row vector times ``a``'s transpose:
+    a batched matrix-vector ``bmm`` takes a slow path on CPU (about 9x slower, measured here)."""
+    return torch.bmm(x.unsqueeze(1), a.transpose(1, 2)).squeeze(1)
 
 
 __all__ = ["LockstepLBFGS"]

@@ -38,7 +38,7 @@ def test_each_problem_follows_torch_lbfgs_as_if_solved_alone(kw: dict) -> None:
     x = x0.clone().requires_grad_(True)
     opt = LockstepLBFGS([x], **kw)
 
-    def closure() -> torch.Tensor:
+    def closure(needed: torch.Tensor) -> torch.Tensor:
         losses = rosenbrock(x, a, b)
         losses.sum().backward()
         return losses
@@ -63,7 +63,7 @@ def test_a_converged_problem_waits_while_the_others_go_on_and_frozen_ones_never_
     opt = LockstepLBFGS([x])
     opt.freeze(torch.tensor([False, False, True]))
 
-    def closure() -> torch.Tensor:
+    def closure(needed: torch.Tensor) -> torch.Tensor:
         losses = rosenbrock(x, a, b)
         losses.sum().backward()
         return losses
