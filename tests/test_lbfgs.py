@@ -28,7 +28,14 @@ def torch_lbfgs(x0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, steps: int, 
     return x.detach(), losses
 
 
-@pytest.mark.parametrize("kw", [{"lr": 1.0, "max_iter": 20}, {"lr": 0.5, "max_iter": 7, "history_size": 5}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"lr": 1.0, "max_iter": 20},
+        {"lr": 0.5, "max_iter": 7, "history_size": 5},
+        {"lr": 1.0, "max_iter": 20, "tolerance_change": 1e-4, "history_size": 5},
+    ],
+)
 def test_each_problem_follows_torch_lbfgs_as_if_solved_alone(kw: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     problems, n = 4, 6
@@ -47,13 +54,10 @@ def test_each_problem_follows_torch_lbfgs_as_if_solved_alone(kw: dict) -> None:
     batched = [opt.step(closure) for _ in range(steps)]
     for p in range(problems):
         alone, alone_losses = torch_lbfgs(x0[p], a[p], b[p], steps, **kw)
-        # with history_size 5 the shared ring can drop a problem's pair early: only the first steps must agree then
-        if kw.get("history_size", 100) >= steps * kw["max_iter"]:
-            torch.testing.assert_close(x.detach()[p], alone, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(torch.stack(batched)[:, p], torch.tensor(alone_losses, dtype=torch.float64), rtol=1e-9, atol=1e-12)
-        else:
-            assert float(batched[0][p]) == pytest.approx(alone_losses[0], rel=1e-12)
-            assert float(batched[1][p]) == pytest.approx(alone_losses[1], rel=1e-9)
+        # the compact form and torch's two-loop recursion round differently: 1e-16 apart after one step,
+        # up to ~5e-7 after 80 iterations of a Rosenbrock valley (float64)
+        torch.testing.assert_close(x.detach()[p], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.stack(batched)[:, p], torch.tensor(alone_losses, dtype=torch.float64), rtol=1e-5, atol=1e-8)
 
 
 def test_a_converged_problem_waits_while_the_others_go_on_and_frozen_ones_never_move() -> None:
