@@ -323,7 +323,7 @@ def leak_batch(
     for it (same seed, same draws); one closure evaluates all of them with ``torch.func.vmap``, so its
     per-operator overhead, which dominates these small double-backward graphs on a CPU, is paid once.
     The optimiser keeps each problem apart: DLG/iDLG use :class:`attacks.lbfgs.LockstepLBFGS`
-    (``torch.optim.LBFGS``'s iteration per problem; its docstring says where its history differs),
+    (``torch.optim.LBFGS``'s iteration, state and history per problem),
     Inverting Gradients Adam on the sign of the gradient, which is element-wise and so exactly
     per-problem. A problem whose iterate stops being finite keeps its last finite iterate and stops,
     as in :func:`leak`. ``states``: each target's model state (parameters and buffers, e.g. the
