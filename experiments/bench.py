@@ -6,7 +6,7 @@ the ratio b / a) through :mod:`benchlib`; the table at the end gathers them. The
 need a FedRE run with client extractors: a small one is trained first (Fashion-MNIST 2,000 samples,
 3 rounds), unless ``--run`` gives one.
 
-    python experiments/bench.py                    # all of them (about 15 minutes on 2 CPU cores)
+    python experiments/bench.py                    # all of them (about 25 minutes on 2 CPU cores)
     python experiments/bench.py --only clients,dlg
 """
 
@@ -30,6 +30,7 @@ BENCHES: dict[str, list[str]] = {
     "dip-settings": ["bench_dip_settings.py"],
     "dlg": ["bench_dlg.py"],
     "clients": ["bench_clients.py"],
+    "round-profile": ["profile_round.py"],
     "flower": ["bench_flower.py"],
 }
 

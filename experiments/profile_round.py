@@ -1,0 +1,222 @@
+"""Where one training round's time goes, and how much of it is the model's own arithmetic.
+
+The speed issue asks for privfl's time per round at <= 0.5x HtFLlib's on the parity setting. Both libraries
+run the same local SGD (same model, batch, samples, epochs), so the part of a round that is forward,
+backward and optimizer step is a floor neither can go under by engineering around it. This script trains
+one run (default: the parity setting, FedAvg, ``homo-cnn4``, 3,000 Fashion-MNIST samples, 10 clients,
+batch 10, lr 0.01, HtFLlib's data order, ``--eval both``, one thread) with timers wrapped around the
+engine's parts, and measures that floor in the same process: the same number of steps of the same
+architecture on pre-built batches of the same shapes, and the same evaluation forwards, in a tight loop.
+
+Printed per round (mean over the rounds after the first): wall (incl. checkpoint and metrics writes);
+local training, split into batch building (index slicing and normalisation) and the rest of the loop;
+evaluation; checkpoint; everything else (server step, capture, selection); then the compute floor and
+what fraction of the round it is. Given ``--reference-seconds S`` (a reference library's time per round
+on the same setting, e.g. from ``experiments/parity/run_parity.py``), it prints the ratio privfl / S and
+the lowest ratio any implementation of the same computation could reach, floor / S.
+
+    python experiments/profile_round.py                                   # FedAvg, parity setting
+    python experiments/profile_round.py --method fedproto --rounds 4 --reference-seconds 3.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import itertools
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import privfl  # noqa: E402
+from experiments.benchlib import record  # noqa: E402
+from privfl.engine import Trainer  # noqa: E402
+from privfl.methods.base import DataView  # noqa: E402
+from privfl.methods.trainer import LocalTrainer  # noqa: E402
+
+SECONDS: dict[str, float] = defaultdict(float)
+STEPS: dict[str, int] = defaultdict(int)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its wall time added to ``SECONDS[name]``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SECONDS[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def timed_batches(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """``DataView.batches`` with the time spent producing each batch (not consuming it) counted."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        it = fn(*args, **kwargs)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                SECONDS["batches"] += time.perf_counter() - t0
+                return
+            SECONDS["batches"] += time.perf_counter() - t0
+            STEPS["batches"] += 1
+            yield item
+
+    return wrapper
+
+
+TRAINERS: list[Trainer] = []
+
+
+def instrument() -> None:
+    init = Trainer.__init__
+
+    def keep(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        TRAINERS.append(self)
+
+    Trainer.__init__ = keep  # type: ignore[method-assign]
+    LocalTrainer.fit = timed("local", LocalTrainer.fit)  # type: ignore[method-assign]
+    DataView.batches = timed_batches(DataView.batches)  # type: ignore[method-assign]
+    Trainer.evaluate = timed("evaluate", Trainer.evaluate)  # type: ignore[method-assign]
+    Trainer.save_checkpoint = timed("checkpoint", Trainer.save_checkpoint)  # type: ignore[method-assign]
+    Trainer.write_metrics = timed("metrics", Trainer.write_metrics)  # type: ignore[method-assign]
+
+
+def compute_floor(trainer: Trainer, train_steps: int, eval_passes: int) -> tuple[float, float]:
+    """Seconds for ``train_steps`` SGD steps of client 0's model (a copy) on one pre-built batch of the
+    run's shape, and for ``eval_passes`` forwards over as many samples as the clients' test splits hold:
+    the arithmetic of a round with nothing else in the loop."""
+    cfg = trainer.cfg
+    model = copy.deepcopy(trainer.clients[0].model)
+    x, y = trainer.data.batch(trainer.clients[0].train_idx[: cfg.batch_size])
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    model.train()
+
+    def sgd_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    for _ in range(5):  # warm-up
+        sgd_step()
+    t0 = time.perf_counter()
+    for _ in range(train_steps):
+        sgd_step()
+    train_s = time.perf_counter() - t0
+    model.eval()
+    test = torch.cat([c.test_idx for c in trainer.clients])
+    xe, _ = trainer.data.batch(test[:1000])
+    todo = len(test) * eval_passes
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        while todo > 0:
+            model(xe[:todo])
+            todo -= len(xe)
+    return train_s, time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="fedavg")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--subsample", type=int, default=3000)
+    p.add_argument("--num-clients", type=int, default=10)
+    p.add_argument("--model-group", default="homo-cnn4")
+    p.add_argument("--eval", default="both", choices=["global", "personal", "both"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reference-seconds", type=float, help="a reference library's seconds per round on this setting")
+    args = p.parse_args()
+    if args.rounds < 2:
+        p.error("--rounds must be at least 2 (the first round is left out of the means)")
+    torch.set_num_threads(args.threads)
+    instrument()
+    per_round: list[dict[str, float]] = []
+    walls: list[float] = []
+
+    class RoundClock(privfl.TrainCallback):
+        """Snapshots the counters at each round's end (after checkpoint and metrics writes)."""
+
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+
+        def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
+            now = time.perf_counter()
+            walls.append(now - self.t)
+            self.t = now
+            per_round.append({**SECONDS, "batches_n": STEPS["batches"]})
+
+    with tempfile.TemporaryDirectory(prefix="privfl-profile-") as tmp:
+        clock = RoundClock()
+        privfl.train(
+            args.method,
+            callbacks=[clock],
+            dataset="fashionmnist",
+            model_group=args.model_group,
+            subsample=args.subsample,
+            num_clients=args.num_clients,
+            rounds=args.rounds,
+            batch_size=10,
+            lr=0.01,
+            local_epochs=1,
+            optimizer="sgd",
+            same_init=True,
+            shuffle=False,
+            drop_last=True,
+            eval=args.eval,
+            device="cpu",
+            progress=False,
+            out_dir=tmp,
+            seed=0,
+        )
+        deltas = [{k: b[k] - a.get(k, 0.0) for k in b} for a, b in itertools.pairwise(per_round)]
+        later = walls[1:]
+        n = len(deltas)
+        mean = {k: sum(d.get(k, 0.0) for d in deltas) / n for k in ("local", "batches", "evaluate", "checkpoint", "metrics", "batches_n")}
+        wall = sum(later) / n
+        steps = int(round(mean["batches_n"]))
+        passes = 2 if args.eval == "both" and TRAINERS[0].personal_differs else 1
+        floor_train, floor_eval = compute_floor(TRAINERS[0], steps, passes)
+    other = wall - mean["local"] - mean["evaluate"] - mean["checkpoint"] - mean["metrics"]
+    floor = floor_train + floor_eval
+    setting = f"{args.method}, {args.model_group}, {args.subsample} samples, {args.num_clients} clients, batch 10"
+    print(f"{setting}, {args.threads} thread(s), means over rounds 2..{args.rounds}")
+    print(f"wall per round (incl. checkpoint):          {wall:7.3f} s")
+    print(f"  local training:                           {mean['local']:7.3f} s  ({steps} batches)")
+    print(f"    of which building batches:              {mean['batches']:7.3f} s")
+    print(f"  evaluation ({passes} protocol pass(es)):          {mean['evaluate']:7.3f} s")
+    print(f"  checkpoint:                               {mean['checkpoint']:7.3f} s")
+    print(f"  metrics file:                             {mean['metrics']:7.3f} s")
+    print(f"  other (server, capture, selection):       {other:7.3f} s")
+    print(f"compute floor: {steps} SGD steps {floor_train:.3f} s + evaluation forwards {floor_eval:.3f} s")
+    print(f"             = {floor:.3f} s, {floor / wall:.0%} of the round")
+    record("round-profile", f"seconds per round, {args.method} parity setting", "compute floor", floor, "privfl round", wall, "s", f"{steps} steps")
+    if args.reference_seconds:
+        ref = args.reference_seconds
+        print(f"privfl / reference: {wall / ref:.3f}; the lowest ratio the same computation allows: {floor / ref:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
