@@ -194,6 +194,8 @@ def test_every_mapped_method_names_an_htfllib_algorithm_and_options_privfl_has()
         if name in METHODS:  # a method another change has not registered yet is only mapped
             fields = set(getattr(METHODS.get(name).Options, "__dataclass_fields__", {}))
             assert set(spec.privfl(cfg)) <= fields, name
+    # HtFLlib's heterogeneous-model methods exchange heads or prototypes even between identical models
+    assert parity.PARITY["fedgen"].privfl(cfg)["share"] == "head"
 
 
 def test_run_parity_refuses_bad_input_before_writing(tmp_path: Path, capsys):

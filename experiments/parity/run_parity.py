@@ -182,7 +182,9 @@ PARITY: dict[str, Parity] = {
     ),
     "fedgen": Parity(
         "FedGen",
-        privfl=lambda cfg: {"diversity_weight": 0.0, "ensemble_weighting": "samples", "client_labels": "global", "gen_weight": 1.0},
+        # HtFLlib's FedGen uploads and averages heads only, also when every client has the same model
+        # (privfl's share=auto would share the whole model there, as FedGen's paper and PFLlib do)
+        privfl=lambda cfg: {"diversity_weight": 0.0, "ensemble_weighting": "samples", "client_labels": "global", "gen_weight": 1.0, "share": "head"},
         flags=lambda o, cfg: ["-nd", _f(o["noise_dim"]), "-hd", _f(o["hidden_dim"]), "-glr", _f(o["generator_lr"]), "-se", _f(o["server_epochs"])],
         mismatch=lambda o, cfg: _need(o.get("gen_batch_size") in (None, cfg["batch_size"]), "HtFLlib's FedGen draws -lbs labels per step"),
     ),
