@@ -225,20 +225,10 @@ def leak(
                 if step % every == 0 or step == cfg.steps - 1:
                     snaps.append((step, x.detach().cpu().clone()))
         else:  # ig
-            adam = torch.optim.Adam(variables, lr=cfg.lr)
-            sched = torch.optim.lr_scheduler.MultiStepLR(adam, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
+            adam, sched = _signed_adam(variables, cfg)
             for step in range(cfg.steps):
-                adam.zero_grad()
                 loss = objective()
-                loss.backward()
-                for v in variables:
-                    assert v.grad is not None  # every variable is in the graph of the loss
-                    v.grad.sign_()
-                adam.step()
-                sched.step()
-                if box is not None:
-                    with torch.no_grad():
-                        x.data = torch.max(torch.min(x, box[1].to(device)), box[0].to(device))
+                _signed_adam_step(adam, sched, variables, loss, x, box)
                 if progress:
                     progress(step, float(loss.detach()))
                 if step % every == 0 or step == cfg.steps - 1:
@@ -252,6 +242,33 @@ def leak(
     assert best is not None  # at least one restart ran
     best.seconds = time.perf_counter() - start
     return best
+
+
+def _signed_adam(variables: list[torch.Tensor], cfg: GradLeakConfig) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.MultiStepLR]:
+    """Inverting Gradients' optimiser: Adam at ``cfg.lr``, decayed x0.1 at 3/8, 5/8 and 7/8 of the steps."""
+    adam = torch.optim.Adam(variables, lr=cfg.lr)
+    return adam, torch.optim.lr_scheduler.MultiStepLR(adam, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
+
+
+def _signed_adam_step(
+    adam: torch.optim.Adam,
+    sched: torch.optim.lr_scheduler.MultiStepLR,
+    variables: list[torch.Tensor],
+    loss: torch.Tensor,
+    x: torch.Tensor,
+    box: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """One step on the sign of the gradient of ``loss``, then ``x`` clamped into ``box`` (per channel)."""
+    adam.zero_grad()
+    loss.backward()
+    for v in variables:
+        assert v.grad is not None  # every variable is in the graph of the loss
+        v.grad.sign_()
+    adam.step()
+    sched.step()
+    if box is not None:
+        with torch.no_grad():
+            x.data = torch.max(torch.min(x, box[1].to(x.device)), box[0].to(x.device))
 
 
 def _param_names_all(model: nn.Module) -> list[str]:
@@ -426,21 +443,10 @@ def leak_batch(
                 for i in torch.nonzero(live).flatten().tolist():
                     snaps[i].append((step, x[i].detach().cpu().clone()))
     else:  # ig
-        adam = torch.optim.Adam(variables, lr=cfg.lr)
-        sched = torch.optim.lr_scheduler.MultiStepLR(adam, [cfg.steps * 3 // 8, cfg.steps * 5 // 8, cfg.steps * 7 // 8], 0.1)
+        adam, sched = _signed_adam(variables, cfg)
         for step in range(cfg.steps):
-            adam.zero_grad()
             losses = objective()
-            losses.sum().backward()
-            for v in variables:
-                assert v.grad is not None  # every variable is in the graph of the loss
-                v.grad.sign_()
-            adam.step()
-            sched.step()
-            if box is not None:
-                with torch.no_grad():
-                    low, high = box[0].to(device), box[1].to(device)
-                    x.data = torch.max(torch.min(x, high), low)
+            _signed_adam_step(adam, sched, variables, losses.sum(), x, box)  # the problems are independent: sum = each one's own
             if progress:
                 progress(step, float(losses.detach().mean()))
             if step % every == 0 or step == cfg.steps - 1:
