@@ -36,6 +36,9 @@ def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:
 def seed_global(seed: int, *keys: int | str) -> None:
     """Seed torch/numpy/random global state (dropout, init) for one purpose."""
     s = derive_seed(seed, *keys)
-    torch.manual_seed(s)
+    if torch.cuda.is_available():
+        torch.manual_seed(s)  # CPU and every GPU (deferred until CUDA starts, as torch does)
+    else:  # the same CPU generator state, without torch.manual_seed's deferred GPU seeding (3 ms a call: 3 s per 1,000 clients)
+        torch.default_generator.manual_seed(s)
     np.random.seed(s % (2**32))
     random.seed(s)

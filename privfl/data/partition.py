@@ -417,8 +417,14 @@ def split_train_test(client_indices: Sequence[np.ndarray], train_fraction: float
     return ClientSplit(train=train, test=test)
 
 
+#: above this many clients the partition is drawn as a heat map: a bubble per (client, class) is
+#: unreadable there and took seconds to draw (3.6 s at 1,000 clients, 8 s at 10,000)
+BUBBLE_CHART_MAX_CLIENTS = 100
+
+
 def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[str] | None = None, title: str | None = None) -> None:
-    """Bubble chart clients x classes, circle area ~ samples (as FedRE Figs. 7-8), written as PNG.
+    """Bubble chart clients x classes, circle area ~ samples (as FedRE Figs. 7-8), written as PNG; a heat
+    map of the same counts beyond :data:`BUBBLE_CHART_MAX_CLIENTS` clients.
 
     Uses the Agg canvas directly (no pyplot) so it works headless and leaves global state alone.
     """
@@ -429,12 +435,18 @@ def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[s
     if counts.ndim != 2:
         raise ValueError(f"counts must be (clients, classes), got shape {counts.shape}")
     num_clients, num_classes = counts.shape
-    fig = Figure(figsize=(min(max(4.0, 0.35 * num_clients + 1.5), 30.0), min(max(3.0, 0.3 * num_classes + 1.2), 30.0)))
+    many = num_clients > BUBBLE_CHART_MAX_CLIENTS
+    fig = Figure(figsize=(min(max(4.0, 0.35 * num_clients + 1.5), 12.0 if many else 30.0), min(max(3.0, 0.3 * num_classes + 1.2), 30.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    client_ids, class_ids = np.nonzero(counts > 0)
-    peak = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
-    ax.scatter(client_ids, class_ids, s=counts[client_ids, class_ids] / peak * 300.0, color="tab:red", alpha=0.6, edgecolors="none")
+    if many:
+        extent = (-0.5, num_clients - 0.5, -0.5, num_classes - 0.5)
+        image = ax.imshow(counts.T, aspect="auto", origin="lower", interpolation="nearest", cmap="Reds", extent=extent)
+        fig.colorbar(image, ax=ax, label="samples")
+    else:
+        client_ids, class_ids = np.nonzero(counts > 0)
+        peak = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
+        ax.scatter(client_ids, class_ids, s=counts[client_ids, class_ids] / peak * 300.0, color="tab:red", alpha=0.6, edgecolors="none")
     ax.set_xlim(-0.7, num_clients - 0.3)
     ax.set_ylim(-0.7, num_classes - 0.3)
     step_x = max(1, math.ceil(num_clients / 25))
