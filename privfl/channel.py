@@ -103,6 +103,9 @@ class Channel:
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
         """Transmit ``msg``; returns the receiver's copy (after mods)."""
+        return self._send(msg, truth, None)
+
+    def _send(self, msg: Message, truth: dict[str, torch.Tensor] | None, copies: dict[tuple[int, ...], tuple[Message, dict]] | None) -> Message:
         msg = prepared(msg, self.method, self.sends)
         for mod in self.mods:
             msg = mod(msg, self.context)
@@ -131,7 +134,7 @@ class Channel:
                 truth,
             )
         self._round_records.append(record)
-        delivered = self._deliver(msg)
+        delivered = self._deliver(msg, copies)
         self.context.delivered(delivered)
         for observer in self.observers:
             observer(delivered, record)
@@ -147,14 +150,27 @@ class Channel:
         sender: str = "server",
         meta: dict[str, Any] | None = None,
         aux: tuple[str, ...] = (),
+        shared: bool = False,
     ) -> dict[str, Message]:
-        """One message per receiver (each counted, as the papers count broadcast per client)."""
-        return {r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers}
+        """One message per receiver (each counted and captured, as the papers count broadcast per client).
+
+        ``shared``: receivers whose message left the mods unchanged get one common copy (the same
+        ``tensors`` dict) instead of a copy each, for receivers that only read it or alias it
+        copy-on-write (:mod:`privfl.methods.shared`); a mod that changes a receiver's message gives that
+        receiver its own copy. Still none of them aliases the sender's tensors."""
+        copies: dict[tuple[int, ...], tuple[Message, dict]] | None = {} if shared else None
+        return {r: self._send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux), None, copies) for r in receivers}
 
     @staticmethod
-    def _deliver(msg: Message) -> Message:
-        copies = {k: v.detach().clone() for k, v in msg.tensors.items()}
-        return Message(msg.round, msg.sender, msg.receiver, msg.kind, copies, dict(msg.meta), msg.aux)
+    def _deliver(msg: Message, copies: dict[tuple[int, ...], tuple[Message, dict]] | None = None) -> Message:
+        if copies is None:
+            tensors = {k: v.detach().clone() for k, v in msg.tensors.items()}
+        else:  # one copy per distinct content after the mods; the mods' message is held so its tensor ids stay unique
+            key = tuple(id(v) for v in msg.tensors.values())
+            if key not in copies:
+                copies[key] = (msg, {k: v.detach().clone() for k, v in msg.tensors.items()})
+            tensors = copies[key][1]
+        return Message(msg.round, msg.sender, msg.receiver, msg.kind, tensors, dict(msg.meta), msg.aux)
 
     def end_round(self) -> list[dict[str, Any]]:
         """Records of this round's messages; makes the capture durable."""

@@ -29,8 +29,9 @@ from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
 from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
+from privfl.methods.shared import check_bound
 from privfl.methods.trainer import LocalTrainer
-from privfl.run import Run, load_checkpoint_state, load_partition, read_checkpoint
+from privfl.run import ALIASES_KEY, Run, load_checkpoint_state, load_partition, read_checkpoint
 from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global
 
@@ -86,6 +87,10 @@ class TrainCallback:
 
 
 class Trainer:
+    #: a method with stateless clients gets meta-device client models that the setup broadcast binds
+    #: (the Flower engine's server keeps ordinary ones: it loads the nodes' states into them)
+    builds_clients_from_broadcast: bool = True
+
     def __init__(
         self, cfg: TrainConfig, run_dir: Path, *, resume: bool = False, callbacks: Sequence[TrainCallback] = (), claim: RunClaim | None = None
     ):
@@ -163,11 +168,17 @@ class Trainer:
 
         self.data = DataView(images, labels, dataset.mean, dataset.std, self.device)
         clients = []
+        # stateless clients get every weight from the setup broadcast: their models are built without
+        # storage or initial draws (meta tensors) and alias the broadcast once it arrives
+        from_broadcast = self.method_cls.stateless_clients and self.builds_clients_from_broadcast
         for k, arch in enumerate(archs):
-            seed_global(cfg.seed, "init", f"arch:{arch}" if cfg.same_init else k)  # --same-init: one draw per architecture
-            model = self.method_cls.build_client_model(
-                ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
-            ).to(self.device)
+            request = ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
+            if from_broadcast:
+                with torch.device("meta"):
+                    model = self.method_cls.build_client_model(request)
+            else:
+                seed_global(cfg.seed, "init", f"arch:{arch}" if cfg.same_init else k)  # --same-init: one draw per architecture
+                model = self.method_cls.build_client_model(request).to(self.device)
             clients.append(
                 Client(k, arch, model, torch.as_tensor(split.train[k], device=self.device), torch.as_tensor(split.test[k], device=self.device))
             )
@@ -187,6 +198,9 @@ class Trainer:
         env = FLEnv(
             cfg, opts, clients, self.data, dataset.num_classes, self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data)
         )
+        env.score_personal = self.score_personal
+        #: client name -> its --eval personal hits, scored right after its last local training (stateless clients)
+        self.personal_hits: dict[str, tuple[int, int, int | None]] = {}
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
@@ -205,9 +219,10 @@ class Trainer:
         """Client models + method state as safetensors, then a JSON pointer; only the latest kept."""
         ckpt = self.run_dir / "checkpoint"
         ckpt.mkdir(exist_ok=True)
-        state = self.checkpoint_tensors()
+        state, aliases = dedupe_views(self.checkpoint_tensors())
         name = f"state-r{rnd:05d}.safetensors"
-        sha256 = atomic_write_safetensors(ckpt / name, {k: v.detach().contiguous().cpu() for k, v in state.items()})
+        metadata = {ALIASES_KEY: json.dumps(aliases)} if aliases else None  # inside the file: the sha256 covers them
+        sha256 = atomic_write_safetensors(ckpt / name, {k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata)
         atomic_write_text(
             ckpt / "checkpoint.json",
             json.dumps(
@@ -241,6 +256,13 @@ class Trainer:
                 shared = v.untyped_storage().data_ptr() in taken
                 state[f"clientstate.{c.name}/{k}"] = v.detach().clone() if shared else v.detach()
                 taken.add(state[f"clientstate.{c.name}/{k}"].untyped_storage().data_ptr())
+        if self.personal_hits:  # (client, correct, total, Global-T correct or -1) for --eval personal
+            rows = []
+            for c in self.clients:
+                if c.name in self.personal_hits:
+                    correct, total, global_t = self.personal_hits[c.name]
+                    rows.append([c.index, correct, total, -1 if global_t is None else global_t])
+            state["engine.personal_hits"] = torch.tensor(rows, dtype=torch.int64)
         return state
 
     def load_checkpoint(self) -> None:
@@ -250,10 +272,20 @@ class Trainer:
             self._truncate_stores(-1)
             return
         state = load_checkpoint_state(self.run_dir, info, str(self.device))
+        stateless = self.method_cls.stateless_clients and self.builds_clients_from_broadcast
+        groups: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         for c in self.clients:
             prefix = f"{c.name}."
-            c.model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+            tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if stateless:  # clients stored once (checkpoint aliases) alias one copy again, as before the kill
+                self.method.share_state(c, groups.setdefault(tuple(id(v) for v in tensors.values()), tensors))  # type: ignore[attr-defined]
+            else:
+                c.model.load_state_dict(tensors)
         self.method.load_server_state({k[7:]: v for k, v in state.items() if k.startswith("method.")})
+        hits = state.get("engine.personal_hits")
+        self.personal_hits = {}
+        for index, correct, total, global_t in [] if hits is None else hits.tolist():
+            self.personal_hits[f"client{index}"] = (correct, total, None if global_t < 0 else global_t)
         self.method.personal = {}
         kept: dict[str, dict[str, torch.Tensor]] = {c.name: {} for c in self.clients}
         for key, value in state.items():
@@ -314,10 +346,25 @@ class Trainer:
         return {**main, **{_personal_key(k): v for k, v in personal.items()}}
 
     def collect_hits(self, flags: tuple[bool, ...]) -> dict[bool, list[tuple[int, int, int | None]]]:
-        """Every client's :func:`client_hits` under each protocol in ``flags`` (True: personal), in client order."""
+        """Every client's :func:`client_hits` under each protocol in ``flags`` (True: personal), in client order;
+        personal hits scored right after local training (:meth:`score_personal`) are taken as they are."""
         union = self.global_test_idx
         bs = self.cfg.eval_batch_size
-        return {flag: [client_hits(self.method, c, self.data, bs, personal=flag, union=union) for c in self.clients] for flag in flags}
+        out = {}
+        for flag in flags:
+            cached = self.personal_hits if flag else {}
+            out[flag] = [cached.get(c.name) or client_hits(self.method, c, self.data, bs, personal=flag, union=union) for c in self.clients]
+        return out
+
+    def score_personal(self, client: Client) -> None:
+        """``--eval personal`` of a stateless client's model as local training left it (what the copy the
+        method no longer keeps would give at the end of the round), in eval mode, then back to its mode."""
+        if self.cfg.eval == "global":
+            return
+        training = client.model.training
+        union = self.global_test_idx
+        self.personal_hits[client.name] = client_hits(self.method, client, self.data, self.cfg.eval_batch_size, personal=True, union=union)
+        client.model.train(training)
 
     @property
     def global_test_idx(self) -> torch.Tensor | None:
@@ -388,6 +435,7 @@ class Trainer:
             if self.knowledge_store is not None:
                 self.knowledge_store.flush()
             ev = self.evaluate()
+            check_bound(c.model for c in self.clients)  # no write went around a shared broadcast's copy-on-write
             notes = self.take_notes()
             if notes:  # client-side metrics of this round noted outside client_round (e.g. FedALA's merge)
                 extra = {**extra, **mean_metrics(notes)}
@@ -447,6 +495,23 @@ class Trainer:
         }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def dedupe_views(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(the tensors to store, {key: key it is stored under}): a tensor that is the very same view as an
+    earlier one (client models aliasing one broadcast) is stored once and named as an alias in the
+    checkpoint pointer (:func:`privfl.run.load_checkpoint_state` restores it)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for key, value in state.items():
+        view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+        if value.numel() and view in first:
+            aliases[key] = first[view]
+        else:
+            first.setdefault(view, key)
+            kept[key] = value
+    return kept, aliases
 
 
 def _part(client: Client, part: str) -> torch.nn.Module:

@@ -88,7 +88,30 @@ def load_checkpoint_state(run_dir: Path, info: dict[str, Any], device: str = "cp
         state = st_load(data)
     except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
         raise CaptureError(f"checkpoint {path} is not a valid safetensors file ({exc_line(exc)})") from None
-    return {k: v.to(device) for k, v in state.items()}
+    state = {k: v.to(device) for k, v in state.items()}
+    for alias, target in checkpoint_aliases(data, path).items():  # a tensor stored once for several keys (shared views)
+        if alias in state or target not in state:
+            raise CaptureError(f"checkpoint {path}: alias {alias[:60]!r} -> {target[:60]!r} does not name one stored tensor")
+        state[alias] = state[target]
+    return state
+
+
+#: safetensors metadata key of a checkpoint's aliases (inside the file, so its sha256 covers them)
+ALIASES_KEY = "privfl.aliases"
+
+
+def checkpoint_aliases(data: bytes, path: Path) -> dict[str, str]:
+    """The ``{key: stored key}`` aliases in a checkpoint's safetensors header metadata ({} when none)."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        text = (header.get("__metadata__") or {}).get(ALIASES_KEY)
+        aliases = {} if text is None else json.loads(text)
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise CaptureError(f"checkpoint {path}: unreadable alias metadata ({exc_line(exc)})") from None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise CaptureError(f"checkpoint {path}: the alias metadata is not a map of tensor names")
+    return aliases
 
 
 def load_partition(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -89,7 +89,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Write ``tensors`` as a safetensors file at ``path`` atomically (as :func:`atomic_write_bytes`) and
     return its sha256. The file is written by safetensors itself and hashed back in chunks, so a
     checkpoint of many client models never exists as one bytes object in memory (at 1,000 clients of
@@ -98,7 +98,7 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> st
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp)
+        save_file(tensors, tmp, metadata=metadata)
         digest = hashlib.sha256()
         with open(tmp, "rb") as fh:
             while chunk := fh.read(1 << 24):

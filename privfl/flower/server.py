@@ -58,6 +58,8 @@ class _ServerSide:
 class FlowerTrainer(Trainer):
     """A run whose clients are Flower nodes (``--engine flower``)."""
 
+    builds_clients_from_broadcast = False  # the nodes hold the clients; the server's copies take the nodes' states
+
     def __init__(self, cfg: Any, run_dir: Path, *, grid: Grid | None = None, **kwargs: Any):
         super().__init__(cfg, run_dir, **kwargs)
         # a client's node defends its uploads (privfl.flower.node.defense_mod); the server's channel runs the

@@ -33,6 +33,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family, ParamForm, check_sends
+from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
 from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
 from privfl.registry import Registry
 from privfl.seeding import seed_global
@@ -205,6 +206,10 @@ class FLEnv:
     #: how the server asks clients for a further exchange within a round (:meth:`FLMethod.request`): None =
     #: this process holds the clients; the Flower engine's server sends a query to their nodes instead
     request: Callable[[int, list[str], str], list[Message]] | None = None
+    #: scores a client's model for ``--eval personal`` right after its local training (:meth:`FLMethod.fit`
+    #: of a method with :attr:`FLMethod.stateless_clients`), so no copy of it is kept: the in-process
+    #: engine's; None (Flower nodes) keeps the copy
+    score_personal: Callable[[Client], None] | None = None
 
 
 @dataclass
@@ -235,6 +240,17 @@ class FLMethod:
     #: ``--eval personal`` scores each client with them as they were after its own last local training
     #: (:meth:`fit` keeps that copy); ``--eval global`` with what it holds at the end of the round.
     personal_parts: ClassVar[tuple[str, ...]] = ()
+    #: a client keeps nothing between rounds but what the server broadcasts: a :class:`GlobalModelServer`
+    #: whose full-model broadcast, at setup and every round, replaces every client's whole model. The
+    #: in-process engine then builds client models without initial weights, lets every client alias one
+    #: copy of the broadcast until it trains (:mod:`privfl.methods.shared`), scores ``--eval personal``
+    #: right after local training instead of keeping a copy, and drops a client's trained weights once it
+    #: has sent them: one model in memory instead of one per client. The numbers do not change.
+    stateless_clients: ClassVar[bool] = False
+    #: :meth:`server_round` reads its uploads once, in order (FedAvg's running weighted sum): the
+    #: in-process engine then hands it an iterator that trains each client when its upload is read, so a
+    #: round never holds every client's upload at once. The capture and the numbers are the same.
+    streams_uploads: ClassVar[bool] = False
 
     def __init__(self, env: FLEnv):
         self.env = env
@@ -339,15 +355,19 @@ class FLMethod:
             return self._gossip_round(rnd, selected)
         if cls.client_round is FLMethod.client_round or cls.server_round is FLMethod.server_round:  # (a subclass may extend this round)
             raise NotImplementedError(f"{cls.__name__} must implement run_round, client_round + server_round, or gossip_send + gossip_round")
-        uploads: list[Message] = []
-        metrics: list[dict[str, float]] = []
         self.open_round(rnd, selected)
         self.plans = self.plan_round(rnd, selected)
-        for client in selected:
-            reply = self.client_round(rnd, client)
-            uploads += [self.send(msg, truth) for msg, truth in reply.uploads]
-            metrics.append(reply.metrics)
-        return {**self.client_metrics(rnd, metrics), **self.server_round(rnd, uploads)}
+        stream = UploadStream(self, rnd, selected)
+        if cls.streams_uploads:
+            server = self.server_round(rnd, stream)  # type: ignore[arg-type]  # read once, in order
+            stream.finish()
+            return {**self.client_metrics(rnd, stream.metrics), **server}
+        uploads = list(stream)
+        return {**self.client_metrics(rnd, stream.metrics), **self.server_round(rnd, uploads)}
+
+    def sent(self, client: Client) -> None:
+        """In-process, after ``client``'s round and its uploads were sent: drop what it need not keep
+        (a :attr:`stateless_clients` method: its trained weights). Default: nothing."""
 
     # -------------------------------------------------------------- protocol, in roles
     # A method written in these three hooks keeps client and server apart: client_round and receive run
@@ -523,9 +543,13 @@ class FLMethod:
 
     def fit(self, rnd: int, client: Client, objective=None, **hooks: Any) -> LocalStats:
         """:meth:`LocalTrainer.fit` on one client (objective, parameters, optimizer, before_step, epochs);
-        afterwards keeps a copy of the client's :attr:`personal_parts` for personal evaluation."""
+        afterwards keeps a copy of the client's :attr:`personal_parts` for personal evaluation (with
+        :attr:`stateless_clients`, the engine scores the model at once instead)."""
         stats = self.trainer.fit(rnd, client, objective, **hooks)
-        if self.personal_parts:
+        if self.stateless_clients and self.env.score_personal is not None:
+            self.personal.pop(client.name, None)  # a copy restored from an older checkpoint is superseded
+            self.env.score_personal(client)  # scored now (the whole model is personal): no copy kept
+        elif self.personal_parts:
             model = client.model
             self.personal[client.name] = {
                 part: {k: v.clone() for k, v in module_tensors(model.get_submodule(part) if part else model).items()} for part in self.personal_parts
@@ -545,11 +569,50 @@ class FLMethod:
         return torch.cat(reps), torch.cat(labels)  # (n, d), (n,)
 
 
+class UploadStream:
+    """The selected clients' rounds, run one by one as their uploads are read (:meth:`FLMethod.run_round`).
+
+    Iterating it runs each client's :meth:`FLMethod.client_round`, sends its uploads through the channel
+    and yields their delivered copies; ``metrics`` collects the clients' rows. A method with
+    :attr:`FLMethod.streams_uploads` reads it once inside :meth:`FLMethod.server_round`; :meth:`finish`
+    then checks that every client ran."""
+
+    def __init__(self, method: FLMethod, rnd: int, selected: list[Client]):
+        self.method, self.rnd, self.selected = method, rnd, selected
+        self.metrics: list[dict[str, float]] = []
+        self._started = False
+        self._done = 0
+
+    def __iter__(self) -> Iterator[Message]:
+        if self._started:
+            raise PrivflError(
+                f"{self.method.name} read its uploads twice in server_round; with streams_uploads = True they can be read once "
+                "(set streams_uploads = False on the class to get them as a list)"
+            )
+        self._started = True
+        for client in self.selected:
+            reply = self.method.client_round(self.rnd, client)
+            delivered = [self.method.send(msg, truth) for msg, truth in reply.uploads]
+            self.metrics.append(reply.metrics)
+            self.method.sent(client)
+            self._done += 1
+            yield from delivered
+
+    def finish(self) -> None:
+        if self._done != len(self.selected):
+            raise PrivflError(
+                f"{self.method.name}.server_round stopped reading its uploads after {self._done} of {len(self.selected)} clients; "
+                "with streams_uploads = True it must read them all (or set streams_uploads = False)"
+            )
+
+
 class GlobalModelServer(FLMethod):
     """A server that owns the global model and broadcasts it in full to every client.
 
     The global model is built from client 0's spec with its own seed (as FedAvg does), so every
-    client starts from the same weights once the setup broadcast is loaded.
+    client starts from the same weights once the setup broadcast is loaded. With
+    :attr:`~FLMethod.stateless_clients` the broadcast is delivered as one copy that every client model
+    aliases until it trains (:mod:`privfl.methods.shared`).
     """
 
     requires_homogeneous = True
@@ -562,16 +625,36 @@ class GlobalModelServer(FLMethod):
 
         seed_global(self.cfg.seed, "init", "server-model")
         self.global_model = build_model(**env.clients[0].model.spec).to(env.device)
+        self._shared: SharedTensors | None = None  # the last broadcast copy clients alias (stateless_clients)
 
     def setup(self) -> None:
         self.broadcast(0, "setup")
 
     def broadcast(self, rnd: int, phase: str = "train") -> None:
         """Send the full global state dict to every client; each loads its delivered copy (:meth:`receive`)."""
-        self.deliver(self.channel.broadcast(rnd, self.client_names(), "model", module_tensors(self.global_model), meta={"phase": phase}))
+        tensors = module_tensors(self.global_model)
+        delivered = self.channel.broadcast(rnd, self.client_names(), "model", tensors, meta={"phase": phase}, shared=self.stateless_clients)
+        self.deliver(delivered)
 
     def receive(self, client: Client, msg: Message) -> None:
-        load_module_tensors(client.model, msg.tensors)
+        if self.stateless_clients:
+            self.share_state(client, msg.tensors)
+        else:
+            load_module_tensors(client.model, msg.tensors)
+
+    def share_state(self, client: Client, tensors: dict[str, torch.Tensor]) -> None:
+        """Bind the client's model to ``tensors`` (copy-on-write); the clients given the same dict share one copy."""
+        if self._shared is None or self._shared.tensors is not tensors:
+            if self._shared is not None:
+                self._shared.check()
+            self._shared = SharedTensors(tensors)
+        bind_shared(client.model, self._shared)
+
+    def sent(self, client: Client) -> None:
+        """A stateless client's trained weights are dead once sent (the round's broadcast replaces them):
+        it aliases the last broadcast again, so a round holds one trained model at a time."""
+        if self.stateless_clients and self._shared is not None:
+            bind_shared(client.model, self._shared)
 
     def server_state(self) -> dict[str, torch.Tensor]:
         return module_tensors(self.global_model)
@@ -656,6 +739,7 @@ def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    own_tensors(module)  # a model aliasing a shared broadcast takes its own copy before it is written
     module.load_state_dict({k: v.to(next(iter(module.state_dict().values())).device) for k, v in tensors.items()})
 
 
@@ -713,6 +797,13 @@ def check_method_class(cls: type[FLMethod]) -> None:
         if any(hook in vars(k) for k in cls.__mro__ if k is not FLMethod):
             raise ConfigError(
                 f"{label}.{hook} is no longer called (attacks read declared data, not method code): {instead}; see docs/extending.md#migrating"
+            )
+    if cls.stateless_clients:
+        default_predictions = cls.predict is FLMethod.predict and cls.predict_personal is FLMethod.predict_personal
+        if not issubclass(cls, GlobalModelServer) or cls.personal_parts != ("",) or not default_predictions:
+            raise ConfigError(
+                f"{label}.stateless_clients needs a GlobalModelServer whose broadcast replaces the whole client model "
+                "(personal_parts = ('',)) and the default predict/predict_personal"
             )
     unknown = [e for e in cls.exposes if e not in EXPOSURES]
     if unknown:

@@ -145,6 +145,7 @@ class FedALA(FedAvg):
         "Zhang, Hua, Wang, Song, Xue, Ma, Guan, FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023 (arXiv 2212.01197)"
     )
     # personal_parts = ("",) (GlobalModelServer's): the broadcast changes the whole model, see the docstring
+    stateless_clients = False  # a client merges each broadcast into its own model (ALA): it keeps state between rounds
 
     def __init__(self, env):
         super().__init__(env)

@@ -55,6 +55,7 @@ class FedNova(GlobalModelServer):
     sends = {"update": "up", "model": "down"}
     exposes = ()
     paper = "Wang et al., FedNova, NeurIPS 2020"
+    stateless_clients = True  # the broadcast replaces each whole client model (its aggregate reads the uploads twice: no streaming)
 
     def __init__(self, env):
         super().__init__(env)

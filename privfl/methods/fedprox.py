@@ -109,6 +109,8 @@ class FedProx(GlobalModelServer):
         )
     }
     paper = "Li et al., Federated Optimization in Heterogeneous Networks (FedProx), MLSys 2020"
+    stateless_clients = True  # as FedAvg: the broadcast replaces each whole client model
+    streams_uploads = True  # average_states reads the uploads once
 
     def local_epochs(self, rnd: int, selected: list[Client]) -> dict[str, int]:
         """Epochs of each selected client this round: E, or for the stragglers a draw from [1, E)."""

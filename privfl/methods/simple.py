@@ -31,6 +31,8 @@ class FedAvg(GlobalModelServer):
     sends = {"model": "up/down"}
     requires_homogeneous = True
     paper = "McMahan et al., FedAvg, AISTATS 2017"
+    stateless_clients = True  # the broadcast replaces each whole client model: one copy shared, not one per client
+    streams_uploads = True  # average_states reads the uploads once: one client's upload in memory at a time
 
     def client_round(self, rnd: int, client: Client) -> ClientReply:
         loss = self.local_train(rnd, client)

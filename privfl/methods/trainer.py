@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from privfl.errors import UnknownNameError
+from privfl.methods.shared import own_tensors
 from privfl.seeding import seed_global, torch_generator
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class LocalTrainer:
     ) -> LocalStats:
         """``epochs`` (default ``--local-epochs``) of local training of ``client.model`` on its train split."""
         model = client.model
+        own_tensors(model)  # a model aliasing a shared broadcast (stateless clients) trains its own copy
         model.train()
         seed_global(self.cfg.seed, "local", rnd, client.index)
         if optimizer is not None:
