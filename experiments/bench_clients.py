@@ -3,7 +3,7 @@
 
 The setting is the one the speed issue measured: FedAvg, ``homo-cnn4``, 6,000 Fashion-MNIST samples
 in total (IID, so every client holds some), batch 64, one local epoch, capture off (``--capture`` to
-include it). A row with more clients than ``--samples`` / 7 takes 7 samples per client instead (10,000
+include it). A row with more clients than ``--samples`` / 6 takes 7 samples per client instead (10,000
 clients: 70,000, all of Fashion-MNIST; a client needs 4 to train on 3 and test on 1), so the
 ``samples`` column says what each row trained on. Per configuration it prints:
 
@@ -95,8 +95,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def samples_for(clients: int, samples: int) -> int:
-    """The row's training set: ``samples``, or 7 per client where that leaves a client fewer."""
-    return min(max(samples, 7 * clients), 70_000)
+    """The row's training set: ``samples``, or 7 per client where that leaves a client fewer than 6."""
+    return samples if samples >= 6 * clients else min(7 * clients, 70_000)
 
 
 def main() -> int:
