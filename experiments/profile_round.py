@@ -104,6 +104,8 @@ def instrument() -> None:
     LocalTrainer.fit = timed("local", LocalTrainer.fit)  # type: ignore[method-assign]
     DataView.batches = timed_batches(DataView.batches)  # type: ignore[method-assign]
     Trainer.evaluate = timed("evaluate", Trainer.evaluate)  # type: ignore[method-assign]
+    # stateless clients (FedAvg) are scored for --eval personal right after local training, not in evaluate
+    Trainer.score_personal = timed("evaluate", Trainer.score_personal)  # type: ignore[method-assign]
     Trainer.save_checkpoint = timed("checkpoint", Trainer.save_checkpoint)  # type: ignore[method-assign]
     Trainer.write_metrics = timed("metrics", Trainer.write_metrics)  # type: ignore[method-assign]
 
