@@ -500,7 +500,7 @@ class Trainer:
 def dedupe_views(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the tensors to store, {key: key it is stored under}): a tensor that is the very same view as an
     earlier one (client models aliasing one broadcast) is stored once and named as an alias in the
-    checkpoint pointer (:func:`privfl.run.load_checkpoint_state` restores it)."""
+    checkpoint file's metadata (:func:`privfl.run.load_checkpoint_state` restores it)."""
     kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first: dict[tuple[Any, ...], str] = {}
