@@ -100,12 +100,12 @@ class Channel:
         self._seq = len(capture.records(strict=False)) if capture is not None else 0
         self._round_records: list[dict[str, Any]] = []
         self.context = ChannelContext()
+        #: while a ``shared`` broadcast is sent: its delivered copies by content (see :meth:`broadcast`)
+        self._shared_copies: dict[tuple[int, ...], tuple[Message, dict]] | None = None
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
-        """Transmit ``msg``; returns the receiver's copy (after mods)."""
-        return self._send(msg, truth, None)
-
-    def _send(self, msg: Message, truth: dict[str, torch.Tensor] | None, copies: dict[tuple[int, ...], tuple[Message, dict]] | None) -> Message:
+        """Transmit ``msg``; returns the receiver's copy (after mods). Every message goes through here,
+        a broadcast's too (tests and tools that wrap ``send`` see them all)."""
         msg = prepared(msg, self.method, self.sends)
         for mod in self.mods:
             msg = mod(msg, self.context)
@@ -134,7 +134,7 @@ class Channel:
                 truth,
             )
         self._round_records.append(record)
-        delivered = self._deliver(msg, copies)
+        delivered = self._deliver(msg, self._shared_copies)
         self.context.delivered(delivered)
         for observer in self.observers:
             observer(delivered, record)
@@ -158,8 +158,11 @@ class Channel:
         ``tensors`` dict) instead of a copy each, for receivers that only read it or alias it
         copy-on-write (:mod:`privfl.methods.shared`); a mod that changes a receiver's message gives that
         receiver its own copy. Still none of them aliases the sender's tensors."""
-        copies: dict[tuple[int, ...], tuple[Message, dict]] | None = {} if shared else None
-        return {r: self._send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux), None, copies) for r in receivers}
+        self._shared_copies = {} if shared else None
+        try:
+            return {r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers}
+        finally:
+            self._shared_copies = None
 
     @staticmethod
     def _deliver(msg: Message, copies: dict[tuple[int, ...], tuple[Message, dict]] | None = None) -> Message:
