@@ -170,10 +170,9 @@ class Trainer:
         clients = []
         # stateless clients get every weight from the setup broadcast: their models are built without
         # storage or initial draws (meta tensors) and alias the broadcast once it arrives
-        from_broadcast = self.method_cls.stateless_clients and self.builds_clients_from_broadcast
         for k, arch in enumerate(archs):
             request = ModelRequest(arch, k, dataset.channels, dataset.num_classes, dataset.image_size, cfg, opts)
-            if from_broadcast:
+            if self.clients_from_broadcast:
                 with torch.device("meta"):
                     model = self.method_cls.build_client_model(request)
             else:
@@ -204,6 +203,11 @@ class Trainer:
         self.method: FLMethod = self.method_cls(env)
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
+
+    @property
+    def clients_from_broadcast(self) -> bool:
+        """Client models are meta-device shells that alias the method's broadcast (stateless clients, in-process)."""
+        return self.method_cls.stateless_clients and self.builds_clients_from_broadcast
 
     @staticmethod
     def _claim(run_dir: Path, claim: RunClaim | None, resume: bool) -> RunClaim:
@@ -272,12 +276,11 @@ class Trainer:
             self._truncate_stores(-1)
             return
         state = load_checkpoint_state(self.run_dir, info, str(self.device))
-        stateless = self.method_cls.stateless_clients and self.builds_clients_from_broadcast
         groups: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         for c in self.clients:
             prefix = f"{c.name}."
             tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            if stateless:  # clients stored once (checkpoint aliases) alias one copy again, as before the kill
+            if self.clients_from_broadcast:  # clients stored once (checkpoint aliases) alias one copy again, as before the kill
                 self.method.share_state(c, groups.setdefault(tuple(id(v) for v in tensors.values()), tensors))  # type: ignore[attr-defined]
             else:
                 c.model.load_state_dict(tensors)

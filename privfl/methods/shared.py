@@ -50,35 +50,18 @@ class SharedTensors:
                 )
 
 
-def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return (module.get_submodule(path) if path else module), leaf
-
-
 def bind_shared(module: nn.Module, shared: SharedTensors) -> None:
-    """Make every parameter and buffer of ``module`` a view of ``shared`` (same names as its state dict).
+    """Make every parameter and buffer of ``module`` a view of ``shared`` (the keys of its state dict).
 
-    The module's own tensors are dropped; a parameter keeps its ``requires_grad``. The keys must be
-    exactly the module's state dict keys, with the same shapes (what a full broadcast of the model carries)."""
+    ``load_state_dict(assign=True)`` wraps each shared tensor in a new parameter (same ``requires_grad``),
+    which shares the tensor's storage and version counter; a missing key or a shape that differs is a
+    one-line error."""
     shared.check()
-    current = module.state_dict(keep_vars=True)
-    if set(current) != set(shared.tensors):
-        missing, extra = sorted(set(current) - set(shared.tensors)), sorted(set(shared.tensors) - set(current))
-        raise PrivflError(f"cannot share a state that does not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
-    for name, old in current.items():
-        value = shared.tensors[name]
-        if tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
-            raise PrivflError(f"cannot share {name}: {value.dtype} {tuple(value.shape)} for a model tensor {old.dtype} {tuple(old.shape)}")
-        owner, leaf = _slot(module, name)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
-        else:
-            owner._buffers[leaf] = value
+    try:
+        module.load_state_dict(shared.tensors, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise PrivflError(f"cannot share a broadcast that does not match the model: {' '.join(str(exc).split())[:300]}") from None
     setattr(module, _BOUND, shared)
-
-
-def is_bound(module: nn.Module) -> bool:
-    return getattr(module, _BOUND, None) is not None
 
 
 def own_tensors(module: nn.Module) -> None:
@@ -89,12 +72,7 @@ def own_tensors(module: nn.Module) -> None:
     if shared is None:
         return
     shared.check()
-    for name, value in module.state_dict(keep_vars=True).items():
-        owner, leaf = _slot(module, name)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
-        else:
-            owner._buffers[leaf] = value.clone()
+    module.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()}, assign=True)
     setattr(module, _BOUND, None)
 
 
@@ -108,4 +86,4 @@ def check_bound(modules: Iterable[nn.Module]) -> None:
             shared.check()
 
 
-__all__ = ["SharedTensors", "bind_shared", "check_bound", "is_bound", "own_tensors"]
+__all__ = ["SharedTensors", "bind_shared", "check_bound", "own_tensors"]
