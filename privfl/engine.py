@@ -29,7 +29,8 @@ from privfl.config import TrainConfig, save_config
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
 from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
-from privfl.methods.shared import check_bound
+from privfl.methods.layout import compute_layout
+from privfl.methods.shared import check_bound, own_tensors
 from privfl.methods.trainer import LocalTrainer
 from privfl.run import ALIASES_KEY, Run, load_checkpoint_state, load_partition, read_checkpoint
 from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
@@ -529,8 +530,17 @@ def client_hits(
 
     ``personal``: the client's personal parts as they were after its last local training are swapped in
     for the evaluation (then swapped back). Runs where the client lives (this process, or its Flower node)."""
+    with compute_layout(client.model, method.cfg.memory_format):
+        return _client_hits(method, client, data, batch_size, personal=personal, union=union)
+
+
+def _client_hits(
+    method: FLMethod, client: Client, data: DataView, batch_size: int, *, personal: bool, union: torch.Tensor | None
+) -> tuple[int, int, int | None]:
     client.model.eval()
     kept = method.personal.get(client.name, {}) if personal else {}
+    if kept:  # swapping the personal parts in writes into the model: one aliasing a broadcast takes its own copy
+        own_tensors(client.model)  # (a Flower node's stateless client keeps its personal copy: no engine scores it)
     current = {part: {k: v.clone() for k, v in _part(client, part).state_dict().items()} for part in kept}
     for part, tensors in kept.items():
         _part(client, part).load_state_dict(tensors)

@@ -192,9 +192,9 @@ class Run:
     @cached_property
     def cfg(self) -> TrainConfig:
         """The resolved :class:`~privfl.config.TrainConfig`."""
-        from privfl.config import build_config
+        from privfl.config import build_config, saved_run_values
 
-        return build_config(self.config, getattr(self.method_cls, "Options", None))
+        return build_config(saved_run_values(self.config), getattr(self.method_cls, "Options", None))
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:

@@ -179,12 +179,12 @@ class _RunFacts:
         return out
 
     def _topology(self, report: VerifyReport) -> Any:
-        from privfl.config import build_config
+        from privfl.config import build_config, saved_run_values
         from privfl.methods import resolve_method
 
         try:
             cls = resolve_method(str(self.config.get("method", "")), source="config.json")
-            cfg = build_config(self.config, getattr(cls, "Options", None))
+            cfg = build_config(saved_run_values(self.config), getattr(cls, "Options", None))
             if cfg.num_clients != self.num_clients:  # a ring's schedule costs time and memory per node: never for a count that is not the run's
                 report.add("files", f"config.json says {str(cfg.num_clients)[:20]} clients, run.json lists {self.num_clients} archs")
                 return None

@@ -33,6 +33,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family, ParamForm, check_sends
+from privfl.methods.layout import compute_layout
 from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
 from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
 from privfl.registry import Registry
@@ -127,10 +128,10 @@ class ModelRequest:
     def from_run(cls, info: dict[str, Any], config: dict[str, Any], index: int) -> ModelRequest:
         """Client ``index``'s request rebuilt from a run's ``run.json`` and ``config.json`` (what the
         attacker and the analysis tools know of a model: its architecture, not its weights)."""
-        from privfl.config import build_config
+        from privfl.config import build_config, saved_run_values
 
         options_cls = getattr(resolve_method(info["method"], source="run.json"), "Options", None)
-        cfg = build_config(config, options_cls)
+        cfg = build_config(saved_run_values(config), options_cls)
         ds = info["dataset"]
         opts = options_cls(**cfg.options) if options_cls is not None else None
         return cls(info["archs"][index], index, ds["channels"], ds["num_classes"], ds["image_size"], cfg, opts)
@@ -563,9 +564,10 @@ class FLMethod:
         model.eval()
         idx = client.train_idx if idx is None else idx
         reps, labels = [], []
-        for x, y in self.env.data.batches(idx, self.cfg.eval_batch_size):
-            reps.append(model.represent(x))
-            labels.append(y)
+        with compute_layout(model, self.cfg.memory_format):
+            for x, y in self.env.data.batches(idx, self.cfg.eval_batch_size):
+                reps.append(model.represent(x))
+                labels.append(y)
         return torch.cat(reps), torch.cat(labels)  # (n, d), (n,)
 
 

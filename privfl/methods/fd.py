@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes
+from privfl.methods.layout import compute_layout
 
 DISTILL_LOSSES = ("soft_ce", "raw_ce", "mse")
 
@@ -195,7 +196,8 @@ class FD(FLMethod):
         if acc is not None:
             classes, logits = acc.means()
         else:
-            classes, logits = class_mean_logits(client.model, self.env.data, client.train_idx, self.env.num_classes, self.cfg.eval_batch_size)
+            with compute_layout(client.model, self.cfg.memory_format):
+                classes, logits = class_mean_logits(client.model, self.env.data, client.train_idx, self.env.num_classes, self.cfg.eval_batch_size)
         msg = logits_message(rnd, client.name, "server", classes, logits, {"arch": client.arch})
         return stats.loss, stats.parts.get("distill", 0.0), msg
 

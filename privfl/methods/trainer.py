@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from privfl.errors import UnknownNameError
+from privfl.methods.layout import compute_layout
 from privfl.methods.shared import own_tensors
 from privfl.seeding import seed_global, torch_generator
 
@@ -102,6 +103,20 @@ class LocalTrainer:
         """``epochs`` (default ``--local-epochs``) of local training of ``client.model`` on its train split."""
         model = client.model
         own_tensors(model)  # a model aliasing a shared broadcast (stateless clients) trains its own copy
+        with compute_layout(model, getattr(self.cfg, "memory_format", "contiguous")):
+            return self._fit(rnd, client, model, objective, parameters, optimizer, before_step, epochs)
+
+    def _fit(
+        self,
+        rnd: int,
+        client: Any,
+        model: Any,
+        objective: Objective | None,
+        parameters: Iterable[nn.Parameter] | None,
+        optimizer: OptimizerFactory | None,
+        before_step: Callable[[Any], None] | None,
+        epochs: int | None,
+    ) -> LocalStats:
         model.train()
         seed_global(self.cfg.seed, "local", rnd, client.index)
         if optimizer is not None:
