@@ -31,6 +31,7 @@ BENCHES: dict[str, list[str]] = {
     "dlg": ["bench_dlg.py"],
     "clients": ["bench_clients.py"],
     "round-profile": ["profile_round.py"],
+    "layout": ["bench_layout.py"],
     "flower": ["bench_flower.py"],
 }
 

@@ -16,6 +16,10 @@ what fraction of the round it is. Given ``--reference-seconds S`` (a reference l
 on the same setting, e.g. from ``experiments/parity/run_parity.py``), it prints the ratio privfl / S and
 the lowest ratio any implementation of the same computation could reach, floor / S.
 
+Each ``--memory-formats`` value (default: ``contiguous``, then ``channels_last``) is profiled in turn in
+this process, and the ratio of their walls per round is printed last (``privfl/methods/layout.py``
+says why channels-last is faster on a CPU).
+
     python experiments/profile_round.py                                   # FedAvg, parity setting
     python experiments/profile_round.py --method fedproto --rounds 4 --reference-seconds 3.5
 """
@@ -45,6 +49,7 @@ import privfl  # noqa: E402
 from experiments.benchlib import record  # noqa: E402
 from privfl.engine import Trainer  # noqa: E402
 from privfl.methods.base import DataView  # noqa: E402
+from privfl.methods.layout import MEMORY_FORMATS, wants_channels_last  # noqa: E402
 from privfl.methods.trainer import LocalTrainer  # noqa: E402
 
 SECONDS: dict[str, float] = defaultdict(float)
@@ -122,6 +127,8 @@ def compute_floor(trainer: Trainer, eval_passes: int) -> tuple[float, float, int
     steps = 0
     for client in trainer.clients:
         model = copy.deepcopy(client.model)
+        if wants_channels_last(model, cfg.memory_format):  # the run's layout (--memory-format)
+            model.to(memory_format=torch.channels_last)
         idx = client.train_idx
         batches = [trainer.data.batch(idx[i : i + bs]) for i in range(0, len(idx) - bs + 1, bs)]  # drop_last, as the run
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -145,21 +152,11 @@ def compute_floor(trainer: Trainer, eval_passes: int) -> tuple[float, float, int
     return train_s, eval_s, steps
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="fedavg")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--subsample", type=int, default=3000)
-    p.add_argument("--num-clients", type=int, default=10)
-    p.add_argument("--model-group", default="homo-cnn4")
-    p.add_argument("--eval", default="both", choices=["global", "personal", "both"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reference-seconds", type=float, help="a reference library's seconds per round on this setting")
-    args = p.parse_args()
-    if args.rounds < 2:
-        p.error("--rounds must be at least 2 (the first round is left out of the means)")
-    torch.set_num_threads(args.threads)
-    instrument()
+def profile(args: argparse.Namespace, memory_format: str) -> dict[str, float]:
+    """One instrumented run in ``memory_format``: per-round means of its parts and its compute floor."""
+    SECONDS.clear()
+    STEPS.clear()
+    TRAINERS.clear()
     per_round: list[dict[str, float]] = []
     walls: list[float] = []
 
@@ -193,39 +190,84 @@ def main() -> int:
             shuffle=False,
             drop_last=True,
             eval=args.eval,
+            memory_format=memory_format,
             device="cpu",
             progress=False,
             out_dir=tmp,
             seed=0,
         )
         deltas = [{k: b[k] - a.get(k, 0.0) for k in b} for a, b in itertools.pairwise(per_round)]
-        later = walls[1:]
         n = len(deltas)
-        mean = {k: sum(d.get(k, 0.0) for d in deltas) / n for k in ("local", "batches", "evaluate", "checkpoint", "metrics", "batches_n")}
-        wall = sum(later) / n
-        steps = int(round(mean["batches_n"]))
+        out = {k: sum(d.get(k, 0.0) for d in deltas) / n for k in ("local", "batches", "evaluate", "checkpoint", "metrics", "batches_n")}
+        out["wall"] = sum(walls[1:]) / n
+        out["passes"] = 2 if args.eval == "both" and TRAINERS[0].personal_differs else 1
+        if out["batches_n"]:
+            out["floor_train"], out["floor_eval"], out["floor_steps"] = compute_floor(TRAINERS[-1], int(out["passes"]))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="fedavg")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--subsample", type=int, default=3000)
+    p.add_argument("--num-clients", type=int, default=10)
+    p.add_argument("--model-group", default="homo-cnn4")
+    p.add_argument("--eval", default="both", choices=["global", "personal", "both"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--memory-formats",
+        default="contiguous,channels_last",
+        help="comma list of --memory-format values, each profiled in turn in this process (the ratio compares the first two)",
+    )
+    p.add_argument("--reference-seconds", type=float, help="a reference library's seconds per round on this setting")
+    args = p.parse_args()
+    if args.rounds < 2:
+        p.error("--rounds must be at least 2 (the first round is left out of the means)")
+    formats = [f.strip() for f in args.memory_formats.split(",") if f.strip()]
+    if not formats or any(f not in MEMORY_FORMATS for f in formats):
+        p.error(f"--memory-formats takes a comma list of {', '.join(MEMORY_FORMATS)}")
+    torch.set_num_threads(args.threads)
+    instrument()
+    setting = f"{args.method}, {args.model_group}, {args.subsample} samples, {args.num_clients} clients, batch 10"
+    results: dict[str, dict[str, float]] = {}
+    for memory_format in formats:
+        r = results[memory_format] = profile(args, memory_format)
+        steps = int(round(r["batches_n"]))
         if steps == 0:
             print(f"{args.method} trains outside LocalTrainer.fit: its local training is in 'other' and no floor is measured", file=sys.stderr)
             return 2
-        passes = 2 if args.eval == "both" and TRAINERS[0].personal_differs else 1
-        floor_train, floor_eval, floor_steps = compute_floor(TRAINERS[0], passes)
-    other = wall - mean["local"] - mean["evaluate"] - mean["checkpoint"] - mean["metrics"]
-    floor = floor_train + floor_eval
-    setting = f"{args.method}, {args.model_group}, {args.subsample} samples, {args.num_clients} clients, batch 10"
-    print(f"{setting}, {args.threads} thread(s), means over rounds 2..{args.rounds}")
-    print(f"wall per round (incl. checkpoint):          {wall:7.3f} s")
-    print(f"  local training:                           {mean['local']:7.3f} s  ({steps} batches)")
-    print(f"    of which building batches:              {mean['batches']:7.3f} s")
-    print(f"  evaluation ({passes} protocol pass(es)):          {mean['evaluate']:7.3f} s")
-    print(f"  checkpoint:                               {mean['checkpoint']:7.3f} s")
-    print(f"  metrics file:                             {mean['metrics']:7.3f} s")
-    print(f"  other (server, capture, selection):       {other:7.3f} s")
-    print(f"compute floor: {floor_steps} SGD steps {floor_train:.3f} s + evaluation forwards {floor_eval:.3f} s")
-    print(f"             = {floor:.3f} s, {floor / wall:.0%} of the round")
-    record("round-profile", f"seconds per round, {args.method} parity setting", "compute floor", floor, "privfl round", wall, "s", f"{steps} steps")
-    if args.reference_seconds:
-        ref = args.reference_seconds
-        print(f"privfl / reference: {wall / ref:.3f}; the lowest ratio the same computation allows: {floor / ref:.3f}")
+        wall = r["wall"]
+        other = wall - r["local"] - r["evaluate"] - r["checkpoint"] - r["metrics"]
+        floor = r["floor_train"] + r["floor_eval"]
+        print(f"\n{setting}, --memory-format {memory_format}, {args.threads} thread(s), means over rounds 2..{args.rounds}")
+        print(f"wall per round (incl. checkpoint):          {wall:7.3f} s")
+        print(f"  local training:                           {r['local']:7.3f} s  ({steps} batches)")
+        print(f"    of which building batches:              {r['batches']:7.3f} s")
+        print(f"  evaluation ({int(r['passes'])} protocol pass(es)):          {r['evaluate']:7.3f} s")
+        print(f"  checkpoint:                               {r['checkpoint']:7.3f} s")
+        print(f"  metrics file:                             {r['metrics']:7.3f} s")
+        print(f"  other (server, capture, selection):       {other:7.3f} s")
+        print(f"compute floor: {int(r['floor_steps'])} SGD steps {r['floor_train']:.3f} s + evaluation forwards {r['floor_eval']:.3f} s")
+        print(f"             = {floor:.3f} s, {floor / wall:.0%} of the round")
+        record(
+            "round-profile",
+            f"seconds per round, {args.method} parity setting, {memory_format}",
+            "compute floor",
+            floor,
+            "privfl round",
+            wall,
+            "s",
+            f"{steps} steps",
+        )
+        if args.reference_seconds:
+            ref = args.reference_seconds
+            print(f"privfl / reference: {wall / ref:.3f}; the lowest ratio the same computation allows: {floor / ref:.3f}")
+    if len(formats) >= 2:
+        a, b = formats[:2]
+        ratio = results[b]["wall"] / results[a]["wall"]
+        print(f"\nwall per round, {b} / {a}: {ratio:.3f}")
+        record("round-profile", f"wall per round, {args.method} parity setting", a, results[a]["wall"], b, results[b]["wall"], "s", "memory format")
     return 0
 
 
