@@ -110,7 +110,7 @@ class TrainConfig:
     memory_format: str = opt(
         "auto",
         "layout of conv weights and activations while a client trains or is evaluated: channels_last (faster on CPU: "
-        "0.81x a cnn4 step, 0.42x an evaluation), contiguous (NCHW, as before 2026-11-26; same numbers as runs made then), "
+        "0.81x a cnn4 step, 0.47x an evaluation), contiguous (NCHW, as before 2026-11-26; same numbers as runs made then), "
         "or auto (channels_last on CPU for models built only of torch/torchvision/privfl modules)",
         choices=("auto", "channels_last", "contiguous"),
     )
