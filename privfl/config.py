@@ -63,6 +63,10 @@ def check_range(key: str, value: Any, metadata: Mapping[str, Any]) -> None:
         raise ConfigError(f"option {key}: must be {range_text(metadata)}, got {value!r}")
 
 
+#: --memory-format values (privfl.methods.layout says what each does)
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+
+
 @dataclass
 class TrainConfig:
     """Options shared by every method. Defaults are the quick CPU run (minutes on a laptop)."""
@@ -112,7 +116,7 @@ class TrainConfig:
         "layout of conv weights and activations while a client trains or is evaluated: channels_last (faster on CPU: "
         "0.81x a cnn4 step, 0.47x an evaluation), contiguous (NCHW, as before 2026-11-26; same numbers as runs made then), "
         "or auto (channels_last on CPU for models built only of torch/torchvision/privfl modules)",
-        choices=("auto", "channels_last", "contiguous"),
+        choices=MEMORY_FORMATS,
     )
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")

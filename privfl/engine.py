@@ -531,28 +531,22 @@ def client_hits(
     ``personal``: the client's personal parts as they were after its last local training are swapped in
     for the evaluation (then swapped back). Runs where the client lives (this process, or its Flower node)."""
     with compute_layout(client.model, method.cfg.memory_format):
-        return _client_hits(method, client, data, batch_size, personal=personal, union=union)
+        client.model.eval()
+        kept = method.personal.get(client.name, {}) if personal else {}
+        if kept:  # swapping the personal parts in writes into the model: one aliasing a broadcast takes its own copy
+            own_tensors(client.model)  # (a Flower node's stateless client keeps its personal copy: no engine scores it)
+        current = {part: {k: v.clone() for k, v in _part(client, part).state_dict().items()} for part in kept}
+        for part, tensors in kept.items():
+            _part(client, part).load_state_dict(tensors)
+        predict = method.predict_personal if personal else method.predict
 
+        def hits(idx: torch.Tensor) -> int:
+            return sum(int((predict(client, x).argmax(1) == y).sum()) for x, y in data.batches(idx, batch_size))
 
-def _client_hits(
-    method: FLMethod, client: Client, data: DataView, batch_size: int, *, personal: bool, union: torch.Tensor | None
-) -> tuple[int, int, int | None]:
-    client.model.eval()
-    kept = method.personal.get(client.name, {}) if personal else {}
-    if kept:  # swapping the personal parts in writes into the model: one aliasing a broadcast takes its own copy
-        own_tensors(client.model)  # (a Flower node's stateless client keeps its personal copy: no engine scores it)
-    current = {part: {k: v.clone() for k, v in _part(client, part).state_dict().items()} for part in kept}
-    for part, tensors in kept.items():
-        _part(client, part).load_state_dict(tensors)
-    predict = method.predict_personal if personal else method.predict
-
-    def hits(idx: torch.Tensor) -> int:
-        return sum(int((predict(client, x).argmax(1) == y).sum()) for x, y in data.batches(idx, batch_size))
-
-    out = (hits(client.test_idx), len(client.test_idx), hits(union) if union is not None else None)
-    for part, tensors in current.items():
-        _part(client, part).load_state_dict(tensors)
-    return out
+        out = (hits(client.test_idx), len(client.test_idx), hits(union) if union is not None else None)
+        for part, tensors in current.items():
+            _part(client, part).load_state_dict(tensors)
+        return out
 
 
 def accuracy_metrics(hits: Sequence[tuple[int, int, int | None]], union_size: int | None = None) -> dict[str, Any]:

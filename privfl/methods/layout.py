@@ -30,10 +30,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from privfl.config import MEMORY_FORMATS
 from privfl.methods.shared import _BOUND, bind_shared
 
-#: --memory-format values
-MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 #: module packages whose forwards are layout-agnostic (auto converts models made only of these)
 _KNOWN_PACKAGES = ("torch.", "torchvision.", "privfl.")
 

@@ -104,47 +104,34 @@ class LocalTrainer:
         model = client.model
         own_tensors(model)  # a model aliasing a shared broadcast (stateless clients) trains its own copy
         with compute_layout(model, getattr(self.cfg, "memory_format", "contiguous")):
-            return self._fit(rnd, client, model, objective, parameters, optimizer, before_step, epochs)
-
-    def _fit(
-        self,
-        rnd: int,
-        client: Any,
-        model: Any,
-        objective: Objective | None,
-        parameters: Iterable[nn.Parameter] | None,
-        optimizer: OptimizerFactory | None,
-        before_step: Callable[[Any], None] | None,
-        epochs: int | None,
-    ) -> LocalStats:
-        model.train()
-        seed_global(self.cfg.seed, "local", rnd, client.index)
-        if optimizer is not None:
-            opt = optimizer(model)
-        else:
-            opt = self.make_optimizer(model.parameters() if parameters is None else parameters)
-        objective = objective or cross_entropy
-        total, steps = 0.0, 0
-        parts: dict[str, float] = {}
-        for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
-            gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch) if self.shuffle else None
-            for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last):
-                out = objective(model, x, y)
-                loss, extra = (out, {}) if isinstance(out, torch.Tensor) else out
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if before_step is not None:
-                    before_step(model)
-                opt.step()
-                total += loss.item()
-                for k, v in extra.items():
-                    parts[k] = parts.get(k, 0.0) + (v.item() if isinstance(v, torch.Tensor) else float(v))
-                steps += 1
-        # the last step's gradients are never read again (every step starts with zero_grad): dropping them
-        # frees one model's worth of memory per client between rounds (2.3 MB for cnn4, x clients)
-        model.zero_grad(set_to_none=True)
-        n = max(steps, 1)
-        return LocalStats(total / n, {k: v / n for k, v in parts.items()}, steps)
+            model.train()
+            seed_global(self.cfg.seed, "local", rnd, client.index)
+            if optimizer is not None:
+                opt = optimizer(model)
+            else:
+                opt = self.make_optimizer(model.parameters() if parameters is None else parameters)
+            objective = objective or cross_entropy
+            total, steps = 0.0, 0
+            parts: dict[str, float] = {}
+            for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
+                gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch) if self.shuffle else None
+                for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last):
+                    out = objective(model, x, y)
+                    loss, extra = (out, {}) if isinstance(out, torch.Tensor) else out
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if before_step is not None:
+                        before_step(model)
+                    opt.step()
+                    total += loss.item()
+                    for k, v in extra.items():
+                        parts[k] = parts.get(k, 0.0) + (v.item() if isinstance(v, torch.Tensor) else float(v))
+                    steps += 1
+            # the last step's gradients are never read again (every step starts with zero_grad): dropping them
+            # frees one model's worth of memory per client between rounds (2.3 MB for cnn4, x clients)
+            model.zero_grad(set_to_none=True)
+            n = max(steps, 1)
+            return LocalStats(total / n, {k: v / n for k, v in parts.items()}, steps)
 
 
 __all__ = ["LocalStats", "LocalTrainer", "Objective", "cross_entropy", "with_representation_term"]
