@@ -118,6 +118,13 @@ class TrainConfig:
         "or auto (channels_last on CPU for models built only of torch/torchvision/privfl modules)",
         choices=MEMORY_FORMATS,
     )
+    client_workers: int = opt(
+        0,
+        "clients trained and evaluated at once, in threads, each with its share of torch's threads, for methods that "
+        "declare parallel_clients (same numbers as one at a time; docs/scale.md): 0 = auto (torch's thread count on CPU, "
+        "one client at a time on a GPU), 1 = one at a time",
+        min=0,
+    )
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")
     engine: str = opt(
@@ -387,8 +394,9 @@ def config_toml_data(data: dict[str, Any]) -> dict[str, Any]:
 
 
 #: options added after runs were saved, with the value a run saved before then used: a resumed or
-#: reopened old run keeps computing as it did (``memory_format``: NCHW until 2026-11-26)
-SAVED_RUN_DEFAULTS: dict[str, Any] = {"memory_format": "contiguous"}
+#: reopened old run keeps computing as it did (``memory_format``: NCHW until 2026-11-26; ``client_workers``: one
+#: client at a time until 2026-11-27, the thread count the run's arithmetic was done with)
+SAVED_RUN_DEFAULTS: dict[str, Any] = {"memory_format": "contiguous", "client_workers": 1}
 
 
 def saved_run_values(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
 from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
 from privfl.methods.layout import compute_layout
+from privfl.methods.parallel import ordered_map, resolve_client_workers
 from privfl.methods.shared import check_bound, own_tensors
 from privfl.methods.trainer import LocalTrainer
 from privfl.run import ALIASES_KEY, Run, load_checkpoint_state, load_partition, read_checkpoint
@@ -199,6 +200,7 @@ class Trainer:
             cfg, opts, clients, self.data, dataset.num_classes, self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data)
         )
         env.score_personal = self.score_personal
+        env.client_workers = self.client_workers
         #: client name -> its --eval personal hits, scored right after its last local training (stateless clients)
         self.personal_hits: dict[str, tuple[int, int, int | None]] = {}
         self.method: FLMethod = self.method_cls(env)
@@ -355,10 +357,27 @@ class Trainer:
         union = self.global_test_idx
         bs = self.cfg.eval_batch_size
         out = {}
+        workers = self.client_workers if self.method_cls.clients_in_parallel() else 1
         for flag in flags:
             cached = self.personal_hits if flag else {}
-            out[flag] = [cached.get(c.name) or client_hits(self.method, c, self.data, bs, personal=flag, union=union) for c in self.clients]
+            todo = [c for c in self.clients if c.name not in cached]
+            scored = {
+                c.name: hits
+                for c, hits in ordered_map(
+                    lambda c: client_hits(self.method, c, self.data, bs, personal=flag, union=union),  # noqa: B023 (consumed in this iteration)
+                    todo,
+                    workers,
+                    what=f"{self.cfg.method}'s evaluation",
+                    ahead=len(todo),
+                )
+            }
+            out[flag] = [cached.get(c.name) or scored[c.name] for c in self.clients]
         return out
+
+    @property
+    def client_workers(self) -> int:
+        """How many clients train and are evaluated at once (``--client-workers``, :mod:`privfl.methods.parallel`)."""
+        return resolve_client_workers(self.cfg.client_workers, self.device)
 
     def score_personal(self, client: Client) -> None:
         """``--eval personal`` of a stateless client's model as local training left it (what the copy the

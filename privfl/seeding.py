@@ -7,7 +7,11 @@ resumed run re-creates the generator of round ``r`` from the seed alone, with no
 from __future__ import annotations
 
 import random
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,8 +37,17 @@ def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *keys))
 
 
+#: per thread: where :func:`seed_global` records its calls instead of seeding (see :func:`recorded_seeding`)
+_RECORDING = threading.local()
+
+
 def seed_global(seed: int, *keys: int | str) -> None:
-    """Seed torch/numpy/random global state (dropout, init) for one purpose."""
+    """Seed torch/numpy/random global state (dropout, init) for one purpose. Inside
+    :func:`recorded_seeding` (a client trained in a worker thread) the call is only recorded."""
+    calls = getattr(_RECORDING, "calls", None)
+    if calls is not None:
+        calls.append((seed, *keys))
+        return
     s = derive_seed(seed, *keys)
     if torch.cuda.is_available():
         torch.manual_seed(s)  # CPU and every GPU (deferred until CUDA starts, as torch does)
@@ -42,3 +55,34 @@ def seed_global(seed: int, *keys: int | str) -> None:
         torch.default_generator.manual_seed(s)
     np.random.seed(s % (2**32))
     random.seed(s)
+
+
+@contextmanager
+def recorded_seeding() -> Iterator[list[tuple[int | str, ...]]]:
+    """In this thread, :func:`seed_global` records its arguments in the yielded list and seeds nothing.
+
+    Why: torch, numpy and ``random`` each have one global generator per process, so clients trained
+    at once in threads cannot each seed it (:mod:`privfl.methods.parallel`). Code that only seeds it,
+    as :class:`~privfl.methods.trainer.LocalTrainer` does "for dropout, if any", draws nothing from it
+    when the model has no dropout; the caller checks that nothing was drawn and replays the last
+    recorded call, so the state after the clients is the one a sequential run leaves."""
+    outer = getattr(_RECORDING, "calls", None)
+    calls: list[tuple[int | str, ...]] = []
+    _RECORDING.calls = calls
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = outer
+
+
+def global_rng_states() -> tuple[torch.Tensor, Any, Any]:
+    """The process's global generators' states (torch CPU, numpy, random): compared before and after
+    work that must not draw from them."""
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def same_rng_states(a: tuple[torch.Tensor, Any, Any], b: tuple[torch.Tensor, Any, Any]) -> bool:
+    """Whether two :func:`global_rng_states` are equal."""
+    (ta, na, ra), (tb, nb, rb) = a, b
+    numpy_equal = na[0] == nb[0] and np.array_equal(na[1], nb[1]) and tuple(na[2:]) == tuple(nb[2:])
+    return bool(torch.equal(ta, tb)) and numpy_equal and ra == rb

@@ -34,6 +34,7 @@ from privfl.capture.message import Message
 from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family, ParamForm, check_sends
 from privfl.methods.layout import compute_layout
+from privfl.methods.parallel import defer_or_run, ordered_map
 from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
 from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
 from privfl.registry import Registry
@@ -103,8 +104,10 @@ class KnowledgeRecorder:
         return self.store is not None and (rnd == self.final_round or rnd in self.rounds or (self.every > 0 and (rnd + 1) % self.every == 0))
 
     def record_extractor(self, rnd: int, client: Client) -> None:
-        if not self.wants(rnd):
-            return
+        if self.wants(rnd):  # a client trained in a worker thread files it in client order, from the main thread
+            defer_or_run(self._append_extractor, rnd, client)
+
+    def _append_extractor(self, rnd: int, client: Client) -> None:
         self.store.append(
             {"round": rnd, "client": client.name, "kind": "extractor", "arch": client.arch, "spec": client.model.spec},
             client.model.extractor_state(),
@@ -211,6 +214,9 @@ class FLEnv:
     #: of a method with :attr:`FLMethod.stateless_clients`), so no copy of it is kept: the in-process
     #: engine's; None (Flower nodes) keeps the copy
     score_personal: Callable[[Client], None] | None = None
+    #: how many clients train and are evaluated at once, in threads, when the method declares
+    #: :attr:`FLMethod.parallel_clients` (``--client-workers``, resolved by the engine; 1 on Flower nodes)
+    client_workers: int = 1
 
 
 @dataclass
@@ -252,6 +258,14 @@ class FLMethod:
     #: in-process engine then hands it an iterator that trains each client when its upload is read, so a
     #: round never holds every client's upload at once. The capture and the numbers are the same.
     streams_uploads: ClassVar[bool] = False
+    #: a client's :meth:`client_round` (its training, its ``fit``) and :meth:`predict` /
+    #: :meth:`predict_personal` touch that client's own state only, write the method's shared attributes
+    #: only under the client's own key, and draw randomness only from seeded generators: the in-process
+    #: engine may then run ``--client-workers`` clients at once in threads (:mod:`privfl.methods.parallel`),
+    #: with the same numbers and capture. Off by default, and not inherited (:meth:`clients_in_parallel`):
+    #: each built-in method declares it once ``tests/test_client_workers.py`` shows it gives the same run
+    #: with 1 and 2 workers.
+    parallel_clients: ClassVar[bool] = False
 
     def __init__(self, env: FLEnv):
         self.env = env
@@ -378,6 +392,12 @@ class FLMethod:
     # goes through client_state / load_client_state.
 
     @classmethod
+    def clients_in_parallel(cls) -> bool:
+        """Whether this very class declares :attr:`parallel_clients`: a subclass (a user's variant of a built-in
+        method) runs one client at a time until it declares it too, as what it adds may share state."""
+        return bool(vars(cls).get("parallel_clients", False))
+
+    @classmethod
     def in_roles(cls) -> bool:
         """Whether the method is written in roles (so it runs on the Flower engine as well): it has both
         role hooks of a star round (or both of a gossip round) and keeps the composed :meth:`run_round`
@@ -407,12 +427,15 @@ class FLMethod:
         raise NotImplementedError
 
     def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        sent = {c.index: self.gossip_send(rnd, c) for c in selected}
+        workers = self.env.client_workers if type(self).clients_in_parallel() else 1
+        what = f"{self.name} round {rnd}"
+        sent = {c.index: out for c, out in ordered_map(lambda c: self.gossip_send(rnd, c), selected, workers, what=what)}
         inbox: dict[int, list[Message]] = {c.index: [] for c in selected}
         with self.channel.context.simultaneous():
             for receiver, msg, truth in route_gossip(self.env.topology, rnd, sent):
                 inbox[receiver].append(self.send(msg, truth))
-        return self.client_metrics(rnd, [self.gossip_round(rnd, c, inbox[c.index]) for c in selected])
+        rows = [row for _, row in ordered_map(lambda c: self.gossip_round(rnd, c, inbox[c.index]), selected, workers, what=what)]
+        return self.client_metrics(rnd, rows)
 
     def open_round(self, rnd: int, selected: list[Client]) -> None:
         """Server side, before the selected clients train: messages that depend on the round's selection
@@ -572,10 +595,12 @@ class FLMethod:
 
 
 class UploadStream:
-    """The selected clients' rounds, run one by one as their uploads are read (:meth:`FLMethod.run_round`).
+    """The selected clients' rounds, run as their uploads are read (:meth:`FLMethod.run_round`).
 
     Iterating it runs each client's :meth:`FLMethod.client_round`, sends its uploads through the channel
-    and yields their delivered copies; ``metrics`` collects the clients' rows. A method with
+    and yields their delivered copies; ``metrics`` collects the clients' rows. With ``--client-workers``
+    above 1 and a method that declares :attr:`FLMethod.parallel_clients`, up to twice as many clients as
+    workers train ahead of the reader in threads; sending stays in this thread, in the order of selection. A method with
     :attr:`FLMethod.streams_uploads` reads it once inside :meth:`FLMethod.server_round`; :meth:`finish`
     then checks that every client ran."""
 
@@ -592,8 +617,9 @@ class UploadStream:
                 "(set streams_uploads = False on the class to get them as a list)"
             )
         self._started = True
-        for client in self.selected:
-            reply = self.method.client_round(self.rnd, client)
+        method, rnd = self.method, self.rnd
+        workers = method.env.client_workers if type(method).clients_in_parallel() else 1
+        for client, reply in ordered_map(lambda c: method.client_round(rnd, c), self.selected, workers, what=f"{method.name} round {rnd}"):
             delivered = [self.method.send(msg, truth) for msg, truth in reply.uploads]
             self.metrics.append(reply.metrics)
             self.method.sent(client)

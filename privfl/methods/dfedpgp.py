@@ -148,6 +148,7 @@ class DFedPGPOptions(GraphOptions):
 class DFedPGP(FLMethod):
     """Bodies gossiped and mixed along the graph, heads kept; head then body trained each round (module docstring)."""
 
+    parallel_clients = True
     name = "dfedpgp"
     sends = {"model": "peer"}
     Options = DFedPGPOptions

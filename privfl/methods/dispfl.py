@@ -196,6 +196,7 @@ class DisPFLOptions(GraphOptions):
 class DisPFL(FLMethod):
     """Sparse personalised models gossiped, aggregated over covering masks, masks evolved (module docstring)."""
 
+    parallel_clients = True
     name = "dispfl"
     sends = {KIND: "peer"}
     Options = DisPFLOptions

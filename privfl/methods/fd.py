@@ -157,6 +157,7 @@ class FDOptions:
 class FD(FLMethod):
     """Federated distillation: per-class average logits up, their per-class averages down (module docstring)."""
 
+    parallel_clients = True
     name = "fd"
     sends = {"logits": "up/down"}
     Options = FDOptions

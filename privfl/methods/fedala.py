@@ -137,6 +137,7 @@ class MergedModel(nn.Module):
 class FedALA(FedAvg):
     """FedAvg whose clients merge each received global model by Adaptive Local Aggregation (module docstring)."""
 
+    parallel_clients = True
     name = "fedala"
     sends = {"model": "up/down"}
     Options = FedALAOptions

@@ -25,6 +25,7 @@ class FedAllRepOptions(HeadServerOptions):
 @METHODS.register("fedallrep")
 class FedAllRep(GlobalHeadServer):
     name = "fedallrep"
+    parallel_clients = True
     sends = {"rep": "up", "head": "down"}
     exposes = ("extractor",)
     Options = FedAllRepOptions

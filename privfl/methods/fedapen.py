@@ -184,6 +184,7 @@ class FedAPENModel(nn.Module):
 class FedAPEN(MutualLearningServer):
     """See the module docstring. Server state: the global shared model (checkpointed for --resume)."""
 
+    parallel_clients = True
     name = "fedapen"
     shared_part = "shared"
     sends = {"shared_model": "up/down"}

@@ -182,6 +182,7 @@ class FedAvgDBE(GlobalModelServer):
     """FedAvg whose clients add a private PRBM vector to the representation and regularise their running
     mean of representations towards the global mean computed once at setup (module docstring)."""
 
+    parallel_clients = True
     name = "fedavgdbe"
     sends = {"model": "up/down", "mean_rep": "up/down"}
     exposes = ("extractor",)

@@ -119,6 +119,7 @@ class FedBNOptions:
 class FedBN(GlobalModelServer):
     """FedAvg of every tensor but the BatchNorm layers', which stay with each client (module docstring)."""
 
+    parallel_clients = True
     name = "fedbn"
     sends = {"model": "up/down"}
     Options = FedBNOptions

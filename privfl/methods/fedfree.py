@@ -305,6 +305,7 @@ class FedFree(FLMethod):
     """Clients upload their k most-changed layers; the server aligns its global layers to them on
     Gaussian pseudo-data and sends each client at most one global layer chosen by KGE."""
 
+    parallel_clients = True
     name = "fedfree"
     sends = {"layer": "up/down"}
     exposes = ()

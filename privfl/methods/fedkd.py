@@ -222,6 +222,7 @@ class FedKD(FLMethod):
     """See the module docstring. No server state: each round's global mentee is the average of that
     round's uploads, and the energy threshold is a function of the round."""
 
+    parallel_clients = True
     name = "fedkd"
     sends = {KIND: "up/down"}
     Options = FedKDOptions

@@ -193,6 +193,7 @@ def weighted_average(messages: list[Message]) -> dict[str, Tensor]:
 class FedMRL(FLMethod):
     """See the module docstring. Server state: the global small model (checkpointed for --resume)."""
 
+    parallel_clients = True
     name = "fedmrl"
     sends = {"small_model": "up/down"}
     exposes = ()

@@ -51,6 +51,7 @@ class FedNova(GlobalModelServer):
     Only SGD has the paper's a_k; weight decay is part of the local gradient as in the paper's code.
     """
 
+    parallel_clients = True
     name = "fednova"
     sends = {"update": "up", "model": "down"}
     exposes = ()

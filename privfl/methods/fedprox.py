@@ -98,6 +98,7 @@ class FedProxOptions:
 class FedProx(GlobalModelServer):
     """FedAvg whose clients minimise CE + mu/2 ||w - w_received||^2 (module docstring)."""
 
+    parallel_clients = True
     name = "fedprox"
     sends = {"model": "up/down"}
     Options = FedProxOptions

@@ -48,6 +48,7 @@ class FedREOptions(HeadServerOptions):
 @METHODS.register("fedre")
 class FedRE(GlobalHeadServer):
     name = "fedre"
+    parallel_clients = True
     sends = {"ent_rep": "up", "head": "down"}
     exposes = ("extractor",)
     Options = FedREOptions

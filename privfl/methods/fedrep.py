@@ -133,6 +133,7 @@ class FedRepOptions:
 class FedRep(FLMethod):
     """Shared body averaged by the server, personal head trained first with the body frozen (module docstring)."""
 
+    parallel_clients = True
     name = "fedrep"
     sends = {"model": "up/down"}
     Options = FedRepOptions

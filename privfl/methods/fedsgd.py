@@ -39,6 +39,7 @@ class FedSGD(GlobalModelServer):
     are restored after the forward pass, so only the server's step changes the model.
     """
 
+    parallel_clients = True
     name = "fedsgd"
     sends = {"grad": "up", "model": "down"}
     exposes = ()

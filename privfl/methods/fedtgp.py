@@ -144,6 +144,7 @@ def train_generator(
 @METHODS.register("fedtgp")
 class FedTGP(GlobalPrototypeReceiver):
     name = "fedtgp"
+    parallel_clients = True
     sends = {"proto": "up", "global_proto": "down"}
     exposes = ("extractor",)
     Options = FedTGPOptions

@@ -252,6 +252,7 @@ class MutualLearningServer(FLMethod):
 class FML(MutualLearningServer):
     """See the module docstring. Server state: the global meme model (checkpointed for --resume)."""
 
+    parallel_clients = True
     name = "fml"
     shared_part = "meme"
     sends = {"shared_model": "up/down"}

@@ -106,6 +106,7 @@ def fpl_terms(
 @METHODS.register("fpl")
 class FPL(FLMethod):
     name = "fpl"
+    parallel_clients = True
     sends = {"proto": "up", "global_proto": "down"}
     exposes = ("extractor",)
     Options = FPLOptions

@@ -100,6 +100,7 @@ class LGFedAvgOptions:
 class LGFedAvg(FLMethod):
     """Clients keep their bodies, share their heads; the server averages the heads (module docstring)."""
 
+    parallel_clients = True
     name = "lgfedavg"
     sends = {"head": "up/down"}
     Options = LGFedAvgOptions

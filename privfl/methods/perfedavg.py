@@ -174,6 +174,7 @@ class PerFedAvgOptions:
 class PerFedAvg(GlobalModelServer):
     """FedAvg whose clients take MAML meta steps; personalised by one step on own data (module docstring)."""
 
+    parallel_clients = True
     name = "perfedavg"
     sends = {"model": "up/down"}
     Options = PerFedAvgOptions

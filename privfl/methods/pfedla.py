@@ -153,6 +153,7 @@ class PFedLAOptions:
 class PFedLA(FLMethod):
     """Per-client hypernetworks weight every client's layers into a personalised model (module docstring)."""
 
+    parallel_clients = True
     name = "pfedla"
     sends = {"model": "up/down"}
     Options = PFedLAOptions

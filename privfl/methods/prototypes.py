@@ -65,6 +65,7 @@ class FedGHOptions(HeadServerOptions):
 @METHODS.register("fedgh")
 class FedGH(GlobalHeadServer):
     name = "fedgh"
+    parallel_clients = True
     sends = {"proto": "up", "head": "down"}
     exposes = ("extractor",)
     Options = FedGHOptions
@@ -114,6 +115,7 @@ class FedProtoOptions:
 @METHODS.register("fedproto")
 class FedProto(GlobalPrototypeReceiver):
     name = "fedproto"
+    parallel_clients = True
     sends = {"proto": "up", "global_proto": "down"}
     exposes = ("extractor",)
     Options = FedProtoOptions

@@ -10,6 +10,7 @@ from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalMo
 class Local(FLMethod):
     """Each client trains alone: the baseline every FL method should beat."""
 
+    parallel_clients = True
     name = "local"
     sends = {}
     paper = "local training baseline"
@@ -27,6 +28,7 @@ class FedAvg(GlobalModelServer):
     broadcasts the result to every client. Integer buffers (BatchNorm's counters) are averaged and
     rounded."""
 
+    parallel_clients = True
     name = "fedavg"
     sends = {"model": "up/down"}
     requires_homogeneous = True
