@@ -32,6 +32,7 @@ BENCHES: dict[str, list[str]] = {
     "clients": ["bench_clients.py"],
     "round-profile": ["profile_round.py"],
     "layout": ["bench_layout.py"],
+    "client-workers": ["bench_client_workers.py"],
     "flower": ["bench_flower.py"],
 }
 

@@ -6,7 +6,9 @@ PFLlib (FedAvg and the personalised baselines, map ``PFLLIB``: Local, FedAvg, Fe
 layout, results file and round loop; the steps below say HtFLlib, and the differences for PFLlib follow.
 
 For every method of ``--methods`` and every seed of ``--seeds``, one after the other (never two at once),
-each with one torch thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``):
+each with one torch thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``; ``--threads N``
+gives both sides N, with which privfl trains N clients at once, ``--client-workers auto``, and the reference
+splits each torch operation N ways):
 
 1. **privfl**: ``python -m privfl.train METHOD`` with the table's setting (default: Fashion-MNIST, a seeded
    3,000-sample subset, 10 clients, Dir(0.1), ``homo-cnn4``, SGD lr 0.01, batch 10, 1 local epoch, 20
@@ -111,7 +113,12 @@ from privfl.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "htfllib_launch.py"
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that gives a side ``threads`` torch threads (``--threads``; default 1)."""
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+
 
 Options = Mapping[str, Any]
 
@@ -334,6 +341,7 @@ class Reference:
         channels: int,
         image_size: int,
         result: Path,
+        threads: int = 1,
     ) -> tuple[list[str], list[str]]:
         """(launcher command, main.py flags) for one method on this reference. The method's own flags come
         last and replace a shared flag they repeat (PFLlib's ``-ls`` for Per-FedAvg and FedRep)."""
@@ -352,7 +360,7 @@ class Reference:
         if len(own) % 2:
             raise ValueError(f"{parity.algo}: method flags must come in flag/value pairs, got {own}")
         shared |= dict(zip(own[::2], own[1::2]))
-        launcher = [python, str(self.launcher), "--system", str(root / "system"), "--threads", "1", "--result", str(result)]
+        launcher = [python, str(self.launcher), "--system", str(root / "system"), "--threads", str(threads), "--result", str(result)]
         if self.key == "htfllib":
             pinned = MODEL_GROUPS[cfg["model_group"]][1]
             if pinned:
@@ -790,6 +798,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads each side computes with (default 1); with more, privfl trains that many clients at once "
+        "(--client-workers auto) and the reference splits each operation over them",
+    )
     p.add_argument("--data-root", help="privfl's --data-root")
     p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE", help="a method option, on both sides (repeatable)")
     p.add_argument("--privfl-arg", action="append", default=[], help="an extra privfl.train argument (repeatable; e.g. --privfl-arg=--no-capture)")
@@ -843,6 +858,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "epochs per method, both evaluations)"
             )
 
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     out = Path(args.out)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise ConfigError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
@@ -851,7 +868,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref_root = Path(given_root).resolve() if given_root else None
     ref_python = getattr(args, f"{ref.key}_python")
     extra_path = [p for p in getattr(args, f"{ref.key}_pythonpath").split(os.pathsep) if p]
-    ref_env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    ref_env = {**os.environ, **thread_env(args.threads), "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
     if run_ref:
         if ref_root is None:
             raise ConfigError(f"--{ref.key} PATH is required to run {ref.name}'s side (or --sides privfl)")
@@ -875,7 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out.mkdir(parents=True, exist_ok=True)
     exporter = _load_exporter()
-    privfl_env = {**os.environ, **ONE_THREAD}
+    privfl_env = {**os.environ, **thread_env(args.threads)}
     cfg_base = {"lr": args.lr, "batch_size": args.batch_size}
     rows: list[dict[str, Any]] = []
 
@@ -885,7 +902,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reference": ref.key,
         "privfl_fixed_flags": ref.fixed_privfl,
         "alignment": f"privfl round r (0-based, end of round) = {ref.name} rs_test_acc[r+1] (start of round r+1); rs_test_acc[0] is untrained",
-        "threads": 1,
+        "threads": args.threads,
         ref.key: str(ref_root) if ref_root else None,
         f"{ref.key}_commit": git_commit(ref_root) if ref_root else None,
         "python": sys.version.split()[0],
@@ -997,6 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 channels=channels,
                 image_size=image_size,
                 result=work / f"{method}.result.json",
+                threads=args.threads,
             )
             cmd = [*launcher, "--", *flags]
             row["htfllib_cmd"] = cmd
