@@ -395,7 +395,7 @@ def config_toml_data(data: dict[str, Any]) -> dict[str, Any]:
 
 #: options added after runs were saved, with the value a run saved before then used: a resumed or
 #: reopened old run keeps computing as it did (``memory_format``: NCHW until 2026-11-26; ``client_workers``: one
-#: client at a time until 2026-11-27, the thread count the run's arithmetic was done with)
+#: client at a time before 2026-11-26, the thread count its clients computed with)
 SAVED_RUN_DEFAULTS: dict[str, Any] = {"memory_format": "contiguous", "client_workers": 1}
 
 

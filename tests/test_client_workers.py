@@ -145,7 +145,7 @@ def test_ordered_map_raises_a_worker_error_in_order():
 
 @needs_fmnist
 def test_a_run_saved_before_the_option_resumes_one_client_at_a_time(tmp_path):
-    """config.json without client_workers (a run from before 2026-11-27) is reopened and resumed with one
+    """config.json without client_workers (a run saved before the option, 2026-11-26) is reopened and resumed with one
     client at a time, the thread count its clients computed with."""
     run = train(tmp_path, "local", *TINY, "--rounds", "1", name="old")
     path = run / "config.json"

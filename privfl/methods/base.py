@@ -600,9 +600,9 @@ class UploadStream:
     Iterating it runs each client's :meth:`FLMethod.client_round`, sends its uploads through the channel
     and yields their delivered copies; ``metrics`` collects the clients' rows. With ``--client-workers``
     above 1 and a method that declares :attr:`FLMethod.parallel_clients`, up to twice as many clients as
-    workers train ahead of the reader in threads; sending stays in this thread, in the order of selection. A method with
-    :attr:`FLMethod.streams_uploads` reads it once inside :meth:`FLMethod.server_round`; :meth:`finish`
-    then checks that every client ran."""
+    workers train ahead of the reader in threads; sending stays in this thread, in the order of
+    selection. A method with :attr:`FLMethod.streams_uploads` reads it once inside
+    :meth:`FLMethod.server_round`; :meth:`finish` then checks that every client ran."""
 
     def __init__(self, method: FLMethod, rnd: int, selected: list[Client]):
         self.method, self.rnd, self.selected = method, rnd, selected
