@@ -1,13 +1,16 @@
 """Clients trained and evaluated at once, in threads (``--client-workers``), with the numbers unchanged.
 
 Why threads help: a client's local round is small arithmetic (a ``cnn4`` step at batch 10 is ~8 ms), so
-torch's own intra-op threads barely speed it up (two threads: 0.75x the time of one), while two clients
-trained side by side, one thread each, take 0.53x (measured on this project's 2-core machine; torch
-releases the GIL inside its kernels, and the Python between them is a small share of a step).
-``experiments/bench_client_workers.py`` measures it on a round of the parity setting.
+torch's own intra-op threads speed it up little, while clients are independent. On this project's
+2-core machine a round of the parity setting (``experiments/bench_client_workers.py``, 2026-11-26) takes
+0.70x the time of one thread with torch splitting each operation over two, 0.54x with two clients at
+once, one thread each (torch releases the GIL inside its kernels; the Python between them is a small
+share of a step).
 
-What stays as it was, so that a run gives the same numbers with any number of workers (tested bit for
-bit against one worker at one thread, ``tests/test_client_workers.py``):
+A run's numbers depend on the thread count each client computes with (torch splits a convolution's sums
+by it), not on how many clients compute at once: with ``W`` workers on ``T`` threads each client computes
+on ``T // W`` threads and the server on ``T``, and the run is bit for bit the one with those thread counts
+one client at a time (``tests/test_client_workers.py`` compares 2 workers with 1 at one thread), since:
 
 - everything that leaves a client (sends, the capture, ground truth) happens in the main thread, in
   the order of selection, after that client's work: the capture files are the same;
