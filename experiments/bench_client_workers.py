@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,49 +34,19 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import privfl  # noqa: E402
-from experiments.benchlib import record  # noqa: E402
+from experiments.benchlib import PARITY_TRAIN, RoundClock, record  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 
 
 def run(method: str, rounds: int, threads: int, workers: int) -> tuple[float, list[dict[str, Any]]]:
     """(mean wall seconds per round after the first, the metrics rows without their seconds)."""
-    walls: list[float] = []
-
-    class RoundClock(privfl.TrainCallback):
-        def __init__(self) -> None:
-            self.t = time.perf_counter()
-
-        def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
-            now = time.perf_counter()
-            walls.append(now - self.t)
-            self.t = now
-
+    clock = RoundClock()
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="privfl-workers-") as tmp:
-        trained = privfl.train(
-            method,
-            callbacks=[RoundClock()],
-            dataset="fashionmnist",
-            model_group="homo-cnn4",
-            subsample=3000,
-            num_clients=10,
-            rounds=rounds,
-            batch_size=10,
-            lr=0.01,
-            local_epochs=1,
-            optimizer="sgd",
-            same_init=True,
-            shuffle=False,
-            drop_last=True,
-            eval="both",
-            client_workers=workers,
-            device="cpu",
-            progress=False,
-            out_dir=tmp,
-            seed=0,
-        )
+        options = {**PARITY_TRAIN, "rounds": rounds, "client_workers": workers, "out_dir": tmp}
+        trained = privfl.train(method, callbacks=[clock], **options)
         rows = [json.loads(line) for line in (trained.path / "metrics.jsonl").read_text().splitlines()]
-    return sum(walls[1:]) / max(len(walls) - 1, 1), [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return clock.mean_after_first(), [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
 
 
 def main() -> int:

@@ -10,10 +10,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+import privfl
+
+#: privfl.train's options for the parity setting (experiments/parity: HtFLlib's FedAvgCNN, batch, learning
+#: rate, data order and initialisation), for the benchmarks that time a round of it
+PARITY_TRAIN: dict[str, Any] = {
+    "dataset": "fashionmnist",
+    "model_group": "homo-cnn4",
+    "subsample": 3000,
+    "num_clients": 10,
+    "batch_size": 10,
+    "lr": 0.01,
+    "local_epochs": 1,
+    "optimizer": "sgd",
+    "same_init": True,
+    "shuffle": False,
+    "drop_last": True,
+    "eval": "both",
+    "device": "cpu",
+    "progress": False,
+    "seed": 0,
+}
+
+
+class RoundClock(privfl.TrainCallback):
+    """The wall seconds of each round, from one round's end to the next (checkpoint and metrics writes included)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.walls: list[float] = []
+
+    def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        self.walls.append(now - self.t)
+        self.t = now
+
+    def mean_after_first(self) -> float:
+        """Mean wall per round without the first (kernels are prepared then)."""
+        return sum(self.walls[1:]) / max(len(self.walls) - 1, 1)
 
 
 def record(bench: str, measure: str, a_label: str, a: float, b_label: str, b: float, unit: str, note: str = "") -> None:

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import privfl  # noqa: E402
-from experiments.benchlib import record  # noqa: E402
+from experiments.benchlib import PARITY_TRAIN, RoundClock, record  # noqa: E402
 from privfl.engine import Trainer  # noqa: E402
 from privfl.methods.base import DataView  # noqa: E402
 from privfl.methods.layout import MEMORY_FORMATS, wants_channels_last  # noqa: E402
@@ -158,48 +158,23 @@ def profile(args: argparse.Namespace, memory_format: str) -> dict[str, float]:
     STEPS.clear()
     TRAINERS.clear()
     per_round: list[dict[str, float]] = []
-    walls: list[float] = []
 
-    class RoundClock(privfl.TrainCallback):
-        """Snapshots the counters at each round's end (after checkpoint and metrics writes)."""
-
-        def __init__(self) -> None:
-            self.t = time.perf_counter()
+    class Snapshots(RoundClock):
+        """Also snapshots the counters at each round's end (after checkpoint and metrics writes)."""
 
         def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
-            now = time.perf_counter()
-            walls.append(now - self.t)
-            self.t = now
+            super().on_round_end(rnd, entry)
             per_round.append({**SECONDS, "batches_n": STEPS["batches"]})
 
+    clock = Snapshots()
     with tempfile.TemporaryDirectory(prefix="privfl-profile-") as tmp:
-        clock = RoundClock()
-        privfl.train(
-            args.method,
-            callbacks=[clock],
-            dataset="fashionmnist",
-            model_group=args.model_group,
-            subsample=args.subsample,
-            num_clients=args.num_clients,
-            rounds=args.rounds,
-            batch_size=10,
-            lr=0.01,
-            local_epochs=1,
-            optimizer="sgd",
-            same_init=True,
-            shuffle=False,
-            drop_last=True,
-            eval=args.eval,
-            memory_format=memory_format,
-            device="cpu",
-            progress=False,
-            out_dir=tmp,
-            seed=0,
-        )
+        options = {**PARITY_TRAIN, "model_group": args.model_group, "subsample": args.subsample, "num_clients": args.num_clients}
+        options |= {"rounds": args.rounds, "eval": args.eval, "memory_format": memory_format, "out_dir": tmp}
+        privfl.train(args.method, callbacks=[clock], **options)
         deltas = [{k: b[k] - a.get(k, 0.0) for k in b} for a, b in itertools.pairwise(per_round)]
         n = len(deltas)
         out = {k: sum(d.get(k, 0.0) for d in deltas) / n for k in ("local", "batches", "evaluate", "checkpoint", "metrics", "batches_n")}
-        out["wall"] = sum(walls[1:]) / n
+        out["wall"] = clock.mean_after_first()
         out["passes"] = 2 if args.eval == "both" and TRAINERS[0].personal_differs else 1
         if out["batches_n"]:
             out["floor_train"], out["floor_eval"], out["floor_steps"] = compute_floor(TRAINERS[-1], int(out["passes"]))
