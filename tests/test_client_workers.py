@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from privfl.capture import TensorStore
 from privfl.config import load_saved_config
 from privfl.errors import PrivflError
-from privfl.methods import METHODS, ClientReply
+from privfl.methods import METHODS, ClientReply, parallel
 from privfl.methods.parallel import defer_or_run, ordered_map
 from privfl.methods.simple import Local
 from privfl.run import Run, load_checkpoint_state, read_checkpoint
@@ -53,22 +54,35 @@ def _numbers(run: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)]
 
 
-def test_the_parity_methods_are_declared():
-    assert {"local", "fedavg", "fedprox", "fedproto", "fedgh", "fedre"} <= set(PARALLEL)
-
-
 #: the default suite's share, one of each shape of round: every client alone, a stateless streamed FedAvg,
 #: a head server with the knowledge log (FedRE), mutual learning, gossip on a graph; the others run as slow
 QUICK = ["local", "fedavg", "fedre", "fml", "dfedpgp"]
 
 
-def _same_run(tmp_path: Path, method: str) -> None:
+def test_the_parity_methods_are_declared():
+    assert {"local", "fedavg", "fedprox", "fedproto", "fedgh", "fedre"} <= set(PARALLEL)
+    assert set(QUICK) <= set(PARALLEL)
+    assert not {"fedgen", "fedfed", "drdfl", "fedcvae"} & set(PARALLEL)  # their clients draw from the global generators
+
+
+def _same_run(tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers against one client at a time, both at one torch thread (the numbers of a convolution
-    depend on the thread count it is split over, with or without workers): the same run, bit for bit."""
+    depend on the thread count it is split over, with or without workers): the same run, bit for bit;
+    and the two-worker run did hand its clients to worker threads."""
+    submitted: list[int] = []
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            submitted.append(1)
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "ThreadPoolExecutor", Counting)
     args = [*TINY, "--rounds", "2", "--knowledge-every", "1"]
     with torch_threads(1):
         one = train(tmp_path, method, *args, "--client-workers", "1", name="one")
+        assert not submitted
         two = train(tmp_path, method, *args, "--client-workers", "2", name="two")
+    assert len(submitted) >= 2 * 3  # every round's clients (and their evaluation) went to the workers
     assert _numbers(one) == _numbers(two)
     assert _stores(one) == _stores(two)
     a, b = _state(one), _state(two)
@@ -77,15 +91,15 @@ def _same_run(tmp_path: Path, method: str) -> None:
 
 @needs_fmnist
 @pytest.mark.parametrize("method", QUICK)
-def test_workers_change_no_number(tmp_path, method):
-    _same_run(tmp_path, method)
+def test_workers_change_no_number(tmp_path, method, monkeypatch):
+    _same_run(tmp_path, method, monkeypatch)
 
 
 @needs_fmnist
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(set(PARALLEL) - set(QUICK)))
-def test_workers_change_no_number_every_declared_method(tmp_path, method):
-    _same_run(tmp_path, method)
+def test_workers_change_no_number_every_declared_method(tmp_path, method, monkeypatch):
+    _same_run(tmp_path, method, monkeypatch)
 
 
 class DrawsInRound(Local):
