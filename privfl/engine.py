@@ -200,6 +200,8 @@ class Trainer:
             cfg, opts, clients, self.data, dataset.num_classes, self.device, self.channel, self.knowledge, self.topology, LocalTrainer(cfg, self.data)
         )
         env.score_personal = self.score_personal
+        #: clients trained and evaluated at once (--client-workers): 1 unless the method declares parallel_clients
+        self.client_workers = resolve_client_workers(cfg.client_workers, self.device) if self.method_cls.clients_in_parallel() else 1
         env.client_workers = self.client_workers
         #: client name -> its --eval personal hits, scored right after its last local training (stateless clients)
         self.personal_hits: dict[str, tuple[int, int, int | None]] = {}
@@ -357,7 +359,6 @@ class Trainer:
         union = self.global_test_idx
         bs = self.cfg.eval_batch_size
         out = {}
-        workers = self.client_workers if self.method_cls.clients_in_parallel() else 1
         for flag in flags:
             cached = self.personal_hits if flag else {}
             todo = [c for c in self.clients if c.name not in cached]
@@ -366,18 +367,13 @@ class Trainer:
                 for c, hits in ordered_map(
                     lambda c: client_hits(self.method, c, self.data, bs, personal=flag, union=union),  # noqa: B023 (consumed in this iteration)
                     todo,
-                    workers,
+                    self.client_workers,
                     what=f"{self.cfg.method}'s evaluation",
                     ahead=len(todo),
                 )
             }
             out[flag] = [cached.get(c.name) or scored[c.name] for c in self.clients]
         return out
-
-    @property
-    def client_workers(self) -> int:
-        """How many clients train and are evaluated at once (``--client-workers``, :mod:`privfl.methods.parallel`)."""
-        return resolve_client_workers(self.cfg.client_workers, self.device)
 
     def score_personal(self, client: Client) -> None:
         """``--eval personal`` of a stateless client's model as local training left it (what the copy the

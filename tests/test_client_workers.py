@@ -6,6 +6,7 @@ line; the option's bad values are one-line errors."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -124,8 +125,6 @@ def test_a_draw_from_the_global_generator_is_an_error(tmp_path):
 def test_ordered_map_keeps_order_effects_and_seeding():
     """Values and deferred effects in item order whatever the finishing order; the global generator left
     as the last item's seeding leaves it; torch's thread count restored."""
-    import time
-
     log: list[int] = []
 
     def work(i: int) -> int:

@@ -214,8 +214,8 @@ class FLEnv:
     #: of a method with :attr:`FLMethod.stateless_clients`), so no copy of it is kept: the in-process
     #: engine's; None (Flower nodes) keeps the copy
     score_personal: Callable[[Client], None] | None = None
-    #: how many clients train and are evaluated at once, in threads, when the method declares
-    #: :attr:`FLMethod.parallel_clients` (``--client-workers``, resolved by the engine; 1 on Flower nodes)
+    #: how many clients train and are evaluated at once, in threads (``--client-workers``, resolved by the
+    #: engine: 1 unless the method declares :attr:`FLMethod.parallel_clients`, and on Flower nodes)
     client_workers: int = 1
 
 
@@ -427,8 +427,7 @@ class FLMethod:
         raise NotImplementedError
 
     def _gossip_round(self, rnd: int, selected: list[Client]) -> dict[str, float]:
-        workers = self.env.client_workers if type(self).clients_in_parallel() else 1
-        what = f"{self.name} round {rnd}"
+        workers, what = self.env.client_workers, f"{self.name} round {rnd}"
         sent = {c.index: out for c, out in ordered_map(lambda c: self.gossip_send(rnd, c), selected, workers, what=what)}
         inbox: dict[int, list[Message]] = {c.index: [] for c in selected}
         with self.channel.context.simultaneous():
@@ -618,8 +617,9 @@ class UploadStream:
             )
         self._started = True
         method, rnd = self.method, self.rnd
-        workers = method.env.client_workers if type(method).clients_in_parallel() else 1
-        for client, reply in ordered_map(lambda c: method.client_round(rnd, c), self.selected, workers, what=f"{method.name} round {rnd}"):
+        for client, reply in ordered_map(
+            lambda c: method.client_round(rnd, c), self.selected, method.env.client_workers, what=f"{method.name} round {rnd}"
+        ):
             delivered = [self.method.send(msg, truth) for msg, truth in reply.uploads]
             self.metrics.append(reply.metrics)
             self.method.sent(client)

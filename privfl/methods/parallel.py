@@ -32,6 +32,7 @@ too). A user's method runs one client at a time until it declares it. On a GPU c
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -107,18 +108,17 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, *, what:
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="privfl-client", initializer=torch.set_num_threads, initargs=(per_worker,))
     pending: deque[tuple[T, Future[_Done]]] = deque()
     todo = iter(items)
+
+    def submit_ahead() -> None:  # keep up to `ahead` items submitted beyond what the consumer took
+        pending.extend((item, pool.submit(_task, fn, item)) for item in itertools.islice(todo, ahead - len(pending)))
+
     torch.set_num_threads(per_worker)  # the main thread's own work meanwhile (sends, capture) shares the cores too
     try:
-        for item in todo:
-            pending.append((item, pool.submit(_task, fn, item)))
-            if len(pending) >= ahead:
-                break
+        submit_ahead()
         while pending:
             item, future = pending.popleft()
             done = future.result()
-            for nxt in todo:  # keep the workers busy while this item is consumed
-                pending.append((nxt, pool.submit(_task, fn, nxt)))
-                break
+            submit_ahead()  # the workers go on while this item is consumed
             for effect, args in done.effects:
                 effect(*args)
             if done.seeds:
