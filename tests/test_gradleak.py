@@ -101,8 +101,9 @@ def test_unrolled_local_steps_match_an_update(victim):
         loss = -(y * F.log_softmax(torch.func.functional_call(model, wp, (x,)), 1)).sum(1).mean()
         g = torch.autograd.grad(loss, list(wp.values()))
         w = {n: t - 0.1 * gi for (n, t), gi in zip(w.items(), g)}
-    for n in update:
-        assert torch.allclose(update[n], (params[n].detach() - w[n]) / 0.1, atol=1e-5)
+    for n, u in update.items():
+        assert isinstance(u, torch.Tensor)  # several steps are never factored
+        assert torch.allclose(u, (params[n].detach() - w[n]) / 0.1, atol=1e-5)
 
 
 def test_a_diverging_dlg_returns_its_last_finite_iterate(victim, monkeypatch):
