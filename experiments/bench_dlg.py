@@ -13,9 +13,11 @@ keeping each image's L-BFGS apart). DLG's L-BFGS is chaotic (a rounding differen
 grows into a different trajectory within a few steps, in float64 too), so batched and one-at-a-time runs
 end on different images of the same quality: the comparison is the PSNR of every image, their mean and
 how many converge (> 30 dB), against the time per image. ``--cnn4 N`` adds DLG on a 582,026-parameter
-``cnn4`` (Fashion-MNIST, batch 1) for N images, one at a time with :func:`leak` vs batched.
+``cnn4`` (Fashion-MNIST, batch 1) for N images: one at a time with every gradient materialised (the
+attack when the speed issue was filed) against ``--cnn4-batch`` and N at a time with the wide linear
+layer factored (:mod:`attacks.gradmatch`), and N at once materialised.
 
-    python experiments/bench_dlg.py [--steps 300] [--image 0] [--images 8] [--cnn4 8 --cnn4-steps 30] [--skip-single]
+    python experiments/bench_dlg.py [--steps 300] [--image 0] [--images 8] [--cnn4 16 --cnn4-steps 30 --cnn4-batch 8] [--skip-single]
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--image", type=int, default=0)
     p.add_argument("--images", type=int, default=8, help="images attacked together in the second part (0: skip)")
-    p.add_argument("--cnn4", type=int, default=8, help="images for the cnn4 part (0: skip)")
+    p.add_argument("--cnn4", type=int, default=16, help="images for the cnn4 part (0: skip)")
     p.add_argument("--cnn4-steps", type=int, default=30)
+    p.add_argument("--cnn4-batch", type=int, default=8, help="targets optimised together in the audit's way (its --batch default)")
     p.add_argument("--skip-single", action="store_true", help="skip the first part (one image, privfl vs reference)")
     args = p.parse_args()
     model = SigmoidLeNet(3, 100, 32).init_uniform(torch.Generator().manual_seed(0))
@@ -78,7 +81,7 @@ def main() -> int:
     if args.images > 0:
         many_images(model, args.images, args.steps)
     if args.cnn4 > 0:
-        cnn4_images(args.cnn4, args.cnn4_steps)
+        cnn4_images(args.cnn4, args.cnn4_steps, args.cnn4_batch)
     return 0
 
 
@@ -178,8 +181,11 @@ def many_images(model, n: int, steps: int) -> None:
     )
 
 
-def cnn4_images(n: int, steps: int) -> None:
-    """DLG on the 582,026-parameter cnn4 (Fashion-MNIST, batch 1): privfl one target at a time vs batched."""
+def cnn4_images(n: int, steps: int, batch: int) -> None:
+    """DLG on the 582,026-parameter cnn4 (Fashion-MNIST, batch 1), four ways on the same n images and
+    initial dummies: one at a time with every gradient materialised (the attack as it was when the speed
+    issue was filed), ``batch`` at a time and all n at once with the wide linear layer factored
+    (:mod:`attacks.gradmatch`), and all n at once materialised (what factoring alone buys)."""
     from privfl.data import load_dataset
     from privfl.models import build_model
 
@@ -194,29 +200,57 @@ def cnn4_images(n: int, steps: int) -> None:
         grads = torch.autograd.grad(F.cross_entropy(model(x), labels[i : i + 1]), [p for _, p in params])
         targets.append({k: g.detach() for (k, _), g in zip(params, grads)})
     count = sum(p.numel() for p in model.parameters())
-    cfg = GradLeakConfig.preset("dlg", steps=steps)
-    t0, c0 = time.perf_counter(), time.process_time()
-    one = [leak(model, targets[i], (1, 28, 28), 10, cfg, seed=i) for i in range(n)]
-    t_one, c_one = time.perf_counter() - t0, time.process_time() - c0
-    t0, c0 = time.perf_counter(), time.process_time()
-    many = leak_batch(model, targets, (1, 28, 28), 10, cfg, seeds=list(range(n)))
-    t_many, c_many = time.perf_counter() - t0, time.process_time() - c0
-    p_one = [psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(one)]
-    p_many = [psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(many)]
+    dense = GradLeakConfig.preset("dlg", steps=steps, factor_linear=False)
+    factored = GradLeakConfig.preset("dlg", steps=steps)
+    seeds = list(range(n))
+
+    def together(cfg: GradLeakConfig, size: int) -> list:
+        return [r for k in range(0, n, size) for r in leak_batch(model, targets[k : k + size], (1, 28, 28), 10, cfg, seeds=seeds[k : k + size])]
+
+    runs = {
+        "one at a time, materialised": lambda: [leak(model, targets[i], (1, 28, 28), 10, dense, seed=i) for i in range(n)],
+        f"{batch} at a time, factored": lambda: together(factored, batch),
+        f"{n} at once, factored": lambda: together(factored, n),
+        f"{n} at once, materialised": lambda: together(dense, n),
+    }
+    leak_batch(model, targets[:2], (1, 28, 28), 10, GradLeakConfig.preset("dlg", steps=1), seeds=[0, 1])  # warm-up
+    seconds, psnrs = {}, {}
     print(f"\nDLG on cnn4 ({count:,} parameters), {n} Fashion-MNIST test images, {steps} L-BFGS steps each")
-    print(f"privfl one at a time: {t_one / n:7.2f} s per image ({c_one / n:.2f} s CPU), {summary(p_one)}")
-    print(f"privfl {n} batched:    {t_many / n:7.2f} s per image ({c_many / n:.2f} s CPU), {summary(p_many)}")
-    print(f"time per image ratio batched / one at a time: {t_many / t_one:.3f} wall, {c_many / c_one:.3f} CPU")
-    quality = f"one at a time {summary(p_one)}; batched {summary(p_many)}"
+    print(f"{'configuration':32s} {'s/image':>8s} {'CPU s':>7s}  quality")
+    for label, fn in runs.items():
+        t0, c0 = time.perf_counter(), time.process_time()
+        results = fn()
+        seconds[label] = (time.perf_counter() - t0) / n
+        cpu = (time.process_time() - c0) / n
+        psnrs[label] = [psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(results)]
+        print(f"{label:32s} {seconds[label]:8.2f} {cpu:7.2f}  {summary(psnrs[label])}", flush=True)
+    base, audit, best, plain = runs
+    print("image  " + "  ".join(f"{label[:18]:>18s}" for label in runs))
+    for i in range(n):
+        print(f"{i:5d}  " + "  ".join(f"{psnrs[label][i]:18.2f}" for label in runs))
+    for label in (audit, best):
+        print(f"time per image ratio {label} / {base}: {seconds[label] / seconds[base]:.3f}")
+    print(f"time per image ratio {best} / {plain}: {seconds[best] / seconds[plain]:.3f} (factoring alone)")
+    for label in (audit, best):
+        record(
+            "dlg-cnn4",
+            f"seconds per image, cnn4 {count} params, {steps} L-BFGS steps",
+            base,
+            seconds[base],
+            label,
+            seconds[label],
+            "s",
+            f"{base} {summary(psnrs[base])}; {label} {summary(psnrs[label])}",
+        )
     record(
-        "dlg-cnn4",
-        f"seconds per image, cnn4 {count} params, {steps} L-BFGS steps",
-        "privfl one at a time",
-        t_one / n,
-        f"privfl, {n} batched",
-        t_many / n,
+        "dlg-cnn4-factor",
+        f"seconds per image, cnn4, {n} at once",
+        plain,
+        seconds[plain],
+        best,
+        seconds[best],
         "s",
-        quality,
+        f"materialised {summary(psnrs[plain])}; factored {summary(psnrs[best])}",
     )
 
 
