@@ -115,6 +115,11 @@ def batch_labels(grads: Mapping[str, torch.Tensor], last_weight: str, batch_size
     return torch.argsort(rows)[:batch_size].sort().values
 
 
+def _soft_ce(logits: torch.Tensor, y_soft: torch.Tensor) -> torch.Tensor:
+    """The victim's loss with a soft label (DLG optimises the label as a distribution)."""
+    return -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean()
+
+
 def model_gradient(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -138,7 +143,7 @@ def model_gradient(
         flat = [p.requires_grad_(True) for t in taps for p in probes[t.path]]
         with tapping(model, taps, probes) as inputs:
             logits = model(x) if direct else functional_call(model, current, (x,))
-        loss = -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean()
+        loss = _soft_ce(logits, y_soft)
         grads = torch.autograd.grad(loss, [current[n] for n in dense] + flat, create_graph=True)
         rest = iter(grads[len(dense) :])
         probe_grads = {t.path: [next(rest) for _ in t.out_shapes] for t in taps}
@@ -146,7 +151,7 @@ def model_gradient(
     for _ in range(local_steps):
         # a single step through the module's own parameters skips functional_call's per-call overhead
         logits = model(x) if direct else functional_call(model, current, (x,))
-        loss = -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean()
+        loss = _soft_ce(logits, y_soft)
         grads = torch.autograd.grad(loss, [current[n] for n in names], create_graph=True)
         if local_steps == 1:
             return dict(zip(names, grads))
@@ -337,7 +342,7 @@ def functional_gradient(
         def tapped_loss(params: dict[str, torch.Tensor], probes: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
             with tapping(model, taps, probes) as inputs:
                 logits = functional_call(model, {**held, **params}, (x,))
-            return -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean(), inputs
+            return _soft_ce(logits, y_soft), inputs
 
         dense = {n: state[n] for n in names if n not in tapped}
         (grads, probe_grads), inputs = torch.func.grad(tapped_loss, argnums=(0, 1), has_aux=True)(dense, zero_probes(taps, x))
@@ -346,7 +351,7 @@ def functional_gradient(
 
     def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = functional_call(model, {**fixed, **params}, (x,))
-        return -(y_soft * F.log_softmax(logits, dim=1)).sum(1).mean()
+        return _soft_ce(logits, y_soft)
 
     start = {n: state[n] for n in names}
     current = start

@@ -14,13 +14,14 @@ For a small reconstructed batch and a wide layer (DLG on ``cnn4``: N = 1, a 512 
 squares and the second-order pass back through all of them: the matrix work becomes one product
 with ``G``. The expansion subtracts large terms to get a small one, so it is evaluated in float64
 (``G`` is kept in float64 once per target): each term is then exact to far below the float32
-rounding of the materialised difference it replaces, and the loss still reaches the 1e-9s a
-converged DLG run shows.
+rounding of the materialised difference it replaces.
 
 A layer is factored only where that is exact: a plain ``nn.Linear`` (its own ``forward``), a weight
-that no other module uses, a module the forward pass calls at least once, one step of the victim
-(the unrolled multi-step update of ``local_steps > 1`` is not a single ``A^T X``), and fewer rows than
-the layer's narrower side, past which the Gram products cost more than the matrix.
+that no other module uses, a module the forward pass calls at least once (as often in every pass),
+one step of the victim (the unrolled multi-step update of ``local_steps > 1`` is not a single
+``A^T X``); and where it pays: fewer rows than the layer's narrower side, past which the Gram products
+cost more than the matrix, and at least ``min_weights`` weights (gradient leakage's
+``factor_min_weights``, chosen from measurements in docs/attacks.md).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def tapping(model: nn.Module, taps: Sequence[LinearTap], probes: Mapping[str, Se
 
     def hook(_module: nn.Module, args: tuple, out: torch.Tensor, path: str) -> torch.Tensor:
         calls = inputs[path]
+        if len(calls) == len(probes[path]):
+            raise RuntimeError(f"layer {path!r} ran more often than when its calls were counted; attack with factor_linear=False")
         calls.append(args[0])
         return out + probes[path][len(calls) - 1]
 

@@ -122,3 +122,22 @@ def test_dlg_with_a_factored_layer_rebuilds_the_input():
     for r, i in [(one, 0), (both[0], 0), (both[1], 1)]:
         assert psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() > 30
         assert r.labels.tolist() == [labels[i].item()]
+
+
+def test_a_layer_called_more_often_than_counted_is_a_clear_error():
+    class Repeats(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.times = 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.times):
+                x = self.fc(x)
+            return x
+
+    model = Repeats()
+    taps = find_linear_taps(model, ["fc.weight", "fc.bias"], torch.zeros(1, 16))
+    model.times = 2
+    with pytest.raises(RuntimeError, match=r"ran more often.*factor_linear=False"):
+        model_gradient(model, dict(model.named_parameters()), torch.randn(1, 16), torch.full((1, 16), 1 / 16), taps=taps)
