@@ -26,6 +26,7 @@ cost more than the matrix, and at least ``min_weights`` weights (gradient leakag
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -79,6 +80,8 @@ def find_linear_taps(model: nn.Module, names: Sequence[str], example: torch.Tens
         and cast(nn.Linear, m).weight.numel() >= min_weights
         and len(holders[id(cast(nn.Linear, m).weight)]) == 1
     }
+    if not candidates:  # nothing to count: spare the forward pass (DLG's LeNet, below factor_min_weights)
+        return []
     shapes: dict[str, list[tuple[int, ...]]] = {path: [] for path in candidates}
     hooks = [m.register_forward_hook(lambda _m, _i, out, path=path: shapes[path].append(tuple(out.shape))) for path, m in candidates.items()]
     try:
@@ -108,14 +111,14 @@ def tapping(model: nn.Module, taps: Sequence[LinearTap], probes: Mapping[str, Se
     (yielded: path -> inputs in call order)."""
     inputs: dict[str, list[torch.Tensor]] = {t.path: [] for t in taps}
 
-    def hook(_module: nn.Module, args: tuple, out: torch.Tensor, path: str) -> torch.Tensor:
+    def hook(_module: nn.Module, args: tuple, out: torch.Tensor, *, path: str) -> torch.Tensor:
         calls = inputs[path]
         if len(calls) == len(probes[path]):
             raise RuntimeError(f"layer {path!r} ran more often than when its calls were counted; attack with factor_linear=False")
         calls.append(args[0])
         return out + probes[path][len(calls) - 1]
 
-    handles = [model.get_submodule(t.path).register_forward_hook(lambda m, a, o, p=t.path: hook(m, a, o, p)) for t in taps]
+    handles = [model.get_submodule(t.path).register_forward_hook(functools.partial(hook, path=t.path)) for t in taps]
     try:
         yield inputs
     finally:
