@@ -161,9 +161,11 @@ PARITY: dict[str, Parity] = {
     "fedre": Parity(None, note="HtFLlib has no FedRE"),
     "fedproto": Parity(
         "FedProto",
-        privfl=lambda cfg: {"weighting": "uniform"},  # HtFLlib averages the clients' prototypes unweighted
+        # HtFLlib averages the clients' prototypes unweighted, each the mean of its training steps' representations
+        privfl=lambda cfg: {"weighting": "uniform", "prototypes": "training"},
         flags=lambda o, cfg: ["-lam", _f(o["lamda"])],
-        note="HtFLlib: prototypes averaged during local training (train mode); privfl: after it, in eval mode",
+        note="both average the training steps' representations (privfl prototypes=training); privfl's default, "
+        "the paper's Eq. 4 pass after training (--set fedproto.prototypes=pass), adds a forward over the train split",
     ),
     "fedgh": Parity(
         "FedGH",

@@ -7,7 +7,11 @@ A prototype message carries ``protos`` (k, d) for the k classes present on the c
   weighted by sample counts (the paper's |D_k,c|/N_c; HtFLlib averages unweighted: ``weighting``),
   and broadcasts them (``global_proto``); clients add lambda * MSE(rep, global prototype of y) to CE
   and classify by the nearest global prototype. lambda is tuned per dataset in the paper and differs
-  between paper and code (HtFLlib #12: 0.1 vs 10); we default to 1.0.
+  between paper and code (HtFLlib #12: 0.1 vs 10); we default to 1.0. Which representations a
+  client's prototype averages is ``prototypes``: by default one eval-mode forward pass over the train
+  split after local training (Eq. 4 of the paper, f_i with the trained phi_i); ``training`` averages the
+  representations the training steps themselves computed, over every local epoch, as HtFLlib's
+  ``clientProto.train`` does, which saves that pass (a forward over the train split per client and round).
 - FedGH (Yi et al., ACM MM 2023): the server trains the shared global head on the (prototype, class)
   pairs with CE and broadcasts it; clients replace their head with it.
 """
@@ -26,10 +30,40 @@ from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_pr
 from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 
 
-def prototype_message(method: FLMethod, rnd: int, client: Client) -> tuple[Message, dict[str, torch.Tensor]]:
-    """Prototypes of the client's train split after local training (eval mode), and the truth behind them."""
-    reps, labels = method.representations(client)
-    classes, protos, counts = class_prototypes(reps, labels, method.env.num_classes)
+class TrainingPrototypes:
+    """Per-class sums of the representations a client's training steps computed (FedProto's
+    ``prototypes=training``): the mean over every step of every local epoch, with the weights of that
+    step, in train mode; a sample seen in two epochs counts twice, a sample of a dropped last batch
+    (``--drop-last``) not at all."""
+
+    def __init__(self, num_classes: int, dim: int, device: torch.device):
+        self.num_classes = num_classes
+        self.sums = torch.zeros(num_classes, dim, device=device)
+        self.seen = torch.zeros(num_classes, dtype=torch.long, device=device)
+
+    def add(self, reps: torch.Tensor, labels: torch.Tensor) -> None:
+        self.sums.index_add_(0, labels, reps.detach().to(self.sums.dtype))
+        self.seen += torch.bincount(labels, minlength=self.num_classes)
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(classes seen, their mean representation (k, d))."""
+        present = torch.nonzero(self.seen, as_tuple=False).flatten()
+        return present, self.sums[present] / self.seen[present].unsqueeze(1).to(self.sums.dtype)
+
+
+def prototype_message(
+    method: FLMethod, rnd: int, client: Client, from_training: TrainingPrototypes | None = None
+) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Prototypes of the client's train split after local training (eval mode), or the means
+    ``from_training`` collected, and the truth behind them. ``counts`` is each class's number of
+    samples in the train split either way (the |D_i,j| the server's weighting reads)."""
+    if from_training is None:
+        reps, labels = method.representations(client)
+        classes, protos, counts = class_prototypes(reps, labels, method.env.num_classes)
+    else:
+        labels = method.env.data.labels[client.train_idx]
+        classes, protos = from_training.means()
+        counts = torch.bincount(labels, minlength=method.env.num_classes)[classes]
     msg = Message(
         rnd,
         client.name,
@@ -110,6 +144,12 @@ class GlobalPrototypeReceiver(FLMethod):
 class FedProtoOptions:
     lamda: float = opt(1.0, "weight of the prototype regulariser (lambda)", min=0)
     weighting: str = opt("samples", "global prototype average: samples (paper) or uniform (HtFLlib)", choices=("samples", "uniform"))
+    prototypes: str = opt(
+        "pass",
+        "what a client's prototypes average: pass (a forward over the train split after training, Eq. 4) "
+        "or training (the training steps' representations, HtFLlib)",
+        choices=("pass", "training"),
+    )
 
 
 @METHODS.register("fedproto")
@@ -124,15 +164,18 @@ class FedProto(GlobalPrototypeReceiver):
     def client_round(self, rnd: int, client: Client) -> ClientReply:
         """Local CE + lambda * MSE to the global prototypes this client last received, then its prototypes."""
         protos, known = self.received[client.name]
+        collected = TrainingPrototypes(self.env.num_classes, self.cfg.rep_dim, self.env.device) if self.opts.prototypes == "training" else None
 
         def proto_term(reps, logits, y):
+            if collected is not None:
+                collected.add(reps, y)
             mask = known[y]
             if not mask.any():
                 return reps.new_zeros(())
             return self.opts.lamda * F.mse_loss(reps[mask], protos[y[mask]])
 
         loss = self.local_train(rnd, client, proto_term)
-        msg, truth = prototype_message(self, rnd, client)
+        msg, truth = prototype_message(self, rnd, client, collected)
         self.env.knowledge.record_extractor(rnd, client)
         return ClientReply([(msg, truth)], {"train_loss": loss})
 
