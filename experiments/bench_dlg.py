@@ -17,7 +17,7 @@ how many converge (> 30 dB), against the time per image. ``--cnn4 N`` adds DLG o
 attack when the speed issue was filed) against ``--cnn4-batch`` and N at a time with the wide linear
 layer factored (:mod:`attacks.gradmatch`), and N at once materialised.
 
-    python experiments/bench_dlg.py [--steps 300] [--image 0] [--images 8] [--cnn4 16 --cnn4-steps 30 --cnn4-batch 8] [--skip-single]
+    python experiments/bench_dlg.py [--steps 300] [--image 0] [--images 8] [--cnn4 32 --cnn4-steps 30 --cnn4-batch 8] [--skip-single]
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--image", type=int, default=0)
     p.add_argument("--images", type=int, default=8, help="images attacked together in the second part (0: skip)")
-    p.add_argument("--cnn4", type=int, default=16, help="images for the cnn4 part (0: skip)")
+    p.add_argument("--cnn4", type=int, default=32, help="images for the cnn4 part (0: skip); all at once is the attack's --batch default when 32")
     p.add_argument("--cnn4-steps", type=int, default=30)
-    p.add_argument("--cnn4-batch", type=int, default=8, help="targets optimised together in the audit's way (its --batch default)")
+    p.add_argument("--cnn4-batch", type=int, default=8, help="targets together in smaller groups (--batch's default until 2026-11-27)")
     p.add_argument("--skip-single", action="store_true", help="skip the first part (one image, privfl vs reference)")
     args = p.parse_args()
     model = SigmoidLeNet(3, 100, 32).init_uniform(torch.Generator().manual_seed(0))

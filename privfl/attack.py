@@ -31,6 +31,7 @@ GRADLEAK = {
 
 def build_parser() -> argparse.ArgumentParser:
     from attacks.dip import PAPER_SETTINGS, DIPConfig
+    from attacks.gradleak import GradLeakConfig
 
     d = DIPConfig()
     parser = ArgumentParser(
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(
             "--batch",
             type=int,
-            default=8,
+            default=GradLeakConfig.batch,
             help="targets (messages) optimised together in one vectorised optimisation, each with its own L-BFGS or Adam state; 1 = one at a time",
         )
         g.add_argument(
