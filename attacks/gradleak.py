@@ -62,8 +62,8 @@ class GradLeakConfig:
     max_batch: int = 8  # attacks on a run: the largest batch rebuilt from one message
     #: attacks on a run: targets optimised together by :func:`leak_batch` (1: one at a time with :func:`leak`).
     #: On a CPU an evaluation's cost is mostly per operator launched, paid once per batch, so larger batches
-    #: cost less per target (cnn4, 30 steps, one thread: 8 at a time 3.82 s, 16 at once 2.82 s per image;
-    #: docs/attacks.md); every target's model and observed gradient are held by the attack anyway, so a
+    #: cost less per target (cnn4, 32 images, 30 steps, one thread: 8 at a time 3.63 s, 32 at once 2.44 s
+    #: per image; docs/attacks.md); every target's model and observed gradient are held by the attack anyway, so a
     #: batch adds one stacked copy of at most this many states.
     batch: int = 32
     #: idlg/ig with batch > 1: "last-layer" reads the labels off the last layer's gradient first
