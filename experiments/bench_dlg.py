@@ -224,14 +224,14 @@ def cnn4_images(n: int, steps: int, batch: int) -> None:
         cpu = (time.process_time() - c0) / n
         psnrs[label] = [psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(results)]
         print(f"{label:32s} {seconds[label]:8.2f} {cpu:7.2f}  {summary(psnrs[label])}", flush=True)
-    base, audit, best, plain = runs
+    base, grouped, best, plain = runs
     print("image  " + "  ".join(f"{label[:18]:>18s}" for label in runs))
     for i in range(n):
         print(f"{i:5d}  " + "  ".join(f"{psnrs[label][i]:18.2f}" for label in runs))
-    for label in (audit, best):
+    for label in (grouped, best):
         print(f"time per image ratio {label} / {base}: {seconds[label] / seconds[base]:.3f}")
     print(f"time per image ratio {best} / {plain}: {seconds[best] / seconds[plain]:.3f} (factoring alone)")
-    for label in (audit, best):
+    for label in (grouped, best):
         record(
             "dlg-cnn4",
             f"seconds per image, cnn4 {count} params, {steps} L-BFGS steps",
