@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,6 +82,22 @@ def prepared(msg: Message, method: str, sends: Mapping[str, str] | None) -> Mess
 Observer = Callable[[Message, dict[str, Any]], None]
 
 
+@dataclass
+class _Broadcast:
+    """What one :meth:`Channel.broadcast` has already done for one content (its tensor objects after the
+    mods): the stored blob's ``(sha256, file bytes)`` and, for a ``shared`` broadcast, the receivers'
+    common copy. ``msg`` is held so that the tensor ids in the key stay unique while the broadcast runs."""
+
+    msg: Message
+    blob: tuple[str, int] | None = None
+    copy: dict[str, torch.Tensor] | None = None
+
+
+def _content_key(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, int, int], ...]:
+    # the same tensor objects, none changed in place since (an in-place op bumps ``_version``)
+    return tuple((name, id(t), t._version) for name, t in tensors.items())
+
+
 class Channel:
     def __init__(
         self,
@@ -100,8 +117,10 @@ class Channel:
         self._seq = len(capture.records(strict=False)) if capture is not None else 0
         self._round_records: list[dict[str, Any]] = []
         self.context = ChannelContext()
-        #: while a ``shared`` broadcast is sent: its delivered copies by content (see :meth:`broadcast`)
-        self._shared_copies: dict[tuple[int, ...], tuple[Message, dict]] | None = None
+        #: while a broadcast is sent: what was done per content (see :meth:`broadcast`), and whether its
+        #: receivers share one copy
+        self._broadcast: dict[tuple[tuple[str, int, int], ...], _Broadcast] | None = None
+        self._broadcast_shared = False
 
     def send(self, msg: Message, *, truth: dict[str, torch.Tensor] | None = None) -> Message:
         """Transmit ``msg``; returns the receiver's copy (after mods). Every message goes through here,
@@ -123,8 +142,11 @@ class Channel:
         }
         if truth is not None and self.truth is not None:
             record["truth"] = True  # verify checks that the ground-truth store holds it
+        done = None if self._broadcast is None else self._broadcast.setdefault(_content_key(msg.tensors), _Broadcast(msg))
         if self.capture is not None:
-            record = self.capture.append(record, msg.tensors)
+            record = self.capture.append(record, msg.tensors, stored=done.blob if done is not None else None)
+            if done is not None:
+                done.blob = (record["sha256"], record["file_bytes"])
         else:
             record = {"seq": self._seq, **record}
         self._seq = record["seq"] + 1
@@ -134,7 +156,7 @@ class Channel:
                 truth,
             )
         self._round_records.append(record)
-        delivered = self._deliver(msg, self._shared_copies)
+        delivered = self._deliver(msg, done if self._broadcast_shared else None)
         self.context.delivered(delivered)
         for observer in self.observers:
             observer(delivered, record)
@@ -157,22 +179,27 @@ class Channel:
         ``shared``: receivers whose message left the mods unchanged get one common copy (the same
         ``tensors`` dict) instead of a copy each, for receivers that only read it or alias it
         copy-on-write (:mod:`privfl.methods.shared`); a mod that changes a receiver's message gives that
-        receiver its own copy. Still none of them aliases the sender's tensors."""
-        self._shared_copies = {} if shared else None
+        receiver its own copy. Still none of them aliases the sender's tensors.
+
+        The capture serialises and hashes each distinct content once: the receivers whose message left the
+        mods as the same, unchanged tensors get records that name the blob the first one stored (a model
+        broadcast to ten clients cost ten serialisations and sha256s of the whole model before). A mod
+        must return new tensors for what it changes, not change the message's in place (the channel also
+        checks each tensor's in-place version counter)."""
+        self._broadcast, self._broadcast_shared = {}, shared
         try:
             return {r: self.send(Message(round, sender, r, kind, tensors, dict(meta or {}), aux)) for r in receivers}
         finally:
-            self._shared_copies = None
+            self._broadcast, self._broadcast_shared = None, False
 
     @staticmethod
-    def _deliver(msg: Message, copies: dict[tuple[int, ...], tuple[Message, dict]] | None = None) -> Message:
-        if copies is None:
+    def _deliver(msg: Message, shared: _Broadcast | None = None) -> Message:
+        if shared is None:
             tensors = {k: v.detach().clone() for k, v in msg.tensors.items()}
-        else:  # one copy per distinct content after the mods; the mods' message is held so its tensor ids stay unique
-            key = tuple(id(v) for v in msg.tensors.values())
-            if key not in copies:
-                copies[key] = (msg, {k: v.detach().clone() for k, v in msg.tensors.items()})
-            tensors = copies[key][1]
+        else:  # one copy per distinct content after the mods
+            if shared.copy is None:
+                shared.copy = {k: v.detach().clone() for k, v in msg.tensors.items()}
+            tensors = shared.copy
         return Message(msg.round, msg.sender, msg.receiver, msg.kind, tensors, dict(msg.meta), msg.aux)
 
     def end_round(self) -> list[dict[str, Any]]:

@@ -102,3 +102,48 @@ def test_channel_captures_what_left_after_mods_and_delivers_copies(tmp_path):
     comm = summarize_comm(records)
     assert comm["up"]["paper_scalars"] == 4 and comm["up"]["scalars"] == 6
     assert comm["down"]["scalars"] == 2 * (2 * 3 + 2) and comm["down"]["messages"] == 2
+
+
+def test_broadcast_serialises_each_content_once_and_captures_exactly_what_left(tmp_path, monkeypatch):
+    """A broadcast's receivers whose message leaves the mods as the same unchanged tensors share one
+    serialisation and hash; a receiver whose message a mod replaced, or changed in place, gets its own."""
+    import privfl.capture.store as store_mod
+
+    saves: list[int] = []
+    real_save = store_mod.st_save
+
+    def counting_save(tensors):
+        saves.append(1)
+        return real_save(tensors)
+
+    monkeypatch.setattr(store_mod, "st_save", counting_save)
+    cap = TensorStore(tmp_path / "capture", "capture", create=True)
+
+    def mod(m: Message, ctx) -> Message:
+        if m.receiver == "client1":  # a new tensor for this receiver
+            return Message(m.round, m.sender, m.receiver, m.kind, {**m.tensors, "bias": m.tensors["bias"] + 1}, m.meta, m.aux)
+        if m.receiver == "client3":  # a mod that (wrongly) edits the message in place: caught by the version counter
+            m.tensors["weight"].add_(5)
+        return m
+
+    tensors = {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}
+    ch = Channel(cap, mods=[mod])
+    out = ch.broadcast(0, [f"client{i}" for i in range(6)], "head", tensors, shared=True)
+    ch.end_round()
+    records = cap.records()
+    assert len(saves) == 3  # client0 (and 2), client1, client3 (and 4, 5)
+    digests = [r["sha256"] for r in records]
+    assert digests[0] == digests[2] and digests[3] == digests[4] == digests[5] and len(set(digests)) == 3
+    assert all(r["file_bytes"] == records[0]["file_bytes"] for r in records)
+    for rec, name in zip(records, out):  # each record holds what that receiver got
+        assert rec["receiver"] == name
+        for key, value in cap.load(rec).items():
+            assert torch.equal(value, out[name].tensors[key]), (name, key)
+    assert torch.equal(cap.load(records[3])["weight"], torch.full((2, 3), 5.0))
+    assert torch.equal(cap.load(records[1])["bias"], torch.ones(2)) and torch.equal(cap.load(records[0])["weight"], torch.zeros(2, 3))
+    assert cap.verify() == []
+    # the same tensors sent again, outside a broadcast, are serialised again (no cache across sends)
+    ch.send(Message(1, "server", "client0", "head", tensors))
+    assert len(saves) == 4
+    with pytest.raises(ValueError, match="not stored by this store"):
+        cap.append({"round": 1, "sender": "server", "receiver": "client0", "kind": "head"}, tensors, stored=("0" * 64, 10))

@@ -269,13 +269,22 @@ class TensorStore:
         chain = records[-1]["chain"] if records and self.chained else genesis(self.role)
         return len(records), chain
 
-    def append(self, record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Store ``tensors`` and append ``record`` (plus seq, shapes, checksum and chain) to the index."""
-        data = st_save(_portable(tensors))
-        digest = hashlib.sha256(data).hexdigest()
-        path = self.blob_path(digest)
-        if not path.exists():
-            atomic_write_bytes(path, data)
+    def append(self, record: dict[str, Any], tensors: dict[str, torch.Tensor], *, stored: tuple[str, int] | None = None) -> dict[str, Any]:
+        """Store ``tensors`` and append ``record`` (plus seq, shapes, checksum and chain) to the index.
+
+        ``stored``: ``(sha256, file bytes)`` of these very tensors, unchanged, as an earlier ``append`` of
+        this store returned them (a broadcast's next receiver, :meth:`privfl.channel.Channel.broadcast`):
+        the record names that blob without serialising and hashing the tensors again."""
+        if stored is None:
+            data = st_save(_portable(tensors))
+            digest, size = hashlib.sha256(data).hexdigest(), len(data)
+            path = self.blob_path(digest)
+            if not path.exists():
+                atomic_write_bytes(path, data)
+        else:
+            digest, size = stored
+            if not self.blob_path(digest).is_file():
+                raise ValueError(f"{self.role} record {record!r}: blob {digest} was not stored by this store")
         if self._next_seq is None or self._chain is None:
             self._next_seq, self._chain = self._tail_state()
         full = {
@@ -283,7 +292,7 @@ class TensorStore:
             **record,
             "tensors": tensor_summary(tensors),
             "sha256": digest,
-            "file_bytes": len(data),
+            "file_bytes": size,
         }
         if self.chained:
             full["chain"] = chain_next(self._chain, full)
