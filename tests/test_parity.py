@@ -183,6 +183,10 @@ def test_htfllib_output_is_aligned_to_privfl_rounds(tmp_path: Path):
     assert parity.flat_row(failed)["note"] == "HtFLlib failed after 1 evaluations (10.00): ValueError: Input contains NaN."
 
 
+#: -algo values of the main.py of each Source checkout (the FedRE authors' HtFLlib/system/main.py: FedRE only)
+SOURCE_ALGOS = {"fedre": {"FedRE"}}
+
+
 def test_every_mapped_method_names_an_htfllib_algorithm_and_options_privfl_has():
     from privfl.methods import METHODS
 
@@ -190,7 +194,8 @@ def test_every_mapped_method_names_an_htfllib_algorithm_and_options_privfl_has()
     algos = {"Local", "FedProto", "FedGH", "LG-FedAvg", "FedTGP", "FedKD", "FedGen", "FD", "FML"}  # main.py's -algo choices used here
     cfg = {"lr": 0.01, "batch_size": 10, "rep_dim": 512}
     for name, spec in parity.PARITY.items():
-        assert spec.algo is None or spec.algo in algos, name
+        # a method whose reference code is its authors' checkout (Source) names that main.py's -algo
+        assert spec.algo is None or spec.algo in (SOURCE_ALGOS.get(spec.source.option, set()) if spec.source else algos), name
         if name in METHODS:  # a method another change has not registered yet is only mapped
             fields = set(getattr(METHODS.get(name).Options, "__dataclass_fields__", {}))
             assert set(spec.privfl(cfg)) <= fields, name
@@ -427,4 +432,160 @@ def test_run_parity_refuses_bad_pfllib_input_before_writing(tmp_path: Path, caps
         capsys.readouterr()
         assert parity.run_cli("run_parity.py", lambda argv=argv: parity.main(argv)) == 2, argv
         assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
+        assert not out.exists(), argv
+
+
+# ---- FedRE against its authors' code (--fedre PATH: AIResearch-Group/FedRE, an HtFLlib-based partial copy)
+
+
+def test_fedre_row_runs_the_authors_main_py_with_its_flag_names():
+    import dataclasses
+
+    from privfl.methods import METHODS
+
+    parity = _load("run_parity")
+    spec = parity.PARITY["fedre"]
+    assert spec.algo == "FedRE" and spec.source is not None and spec.source.option == "fedre"
+    opts = dataclasses.asdict(METHODS.get("fedre").Options())
+    cfg = {**SETTING, "mapping": "ap"}
+    assert spec.mismatch(opts, cfg) == []  # privfl's defaults are the authors' FedRE
+    for key, value in (("re", "rar"), ("weight_dist", "gaussian"), ("sampling", "fixed"), ("server_epochs", 2), ("server_reduction", "mean")):
+        assert len(spec.mismatch({**opts, key: value}, cfg)) == 1, key
+    assert len(spec.mismatch(opts, {**cfg, "mapping": "fc"})) == 1
+    launcher, argv = parity.REFERENCES["htfllib"].commands(
+        spec,
+        {**opts, "server_lr": 0.05, "server_batch": 7},
+        cfg,
+        root=Path("/f/HtFLlib"),
+        python="py",
+        data="fashionmnist_privfl_s0",
+        num_classes=10,
+        channels=1,
+        image_size=28,
+        result=Path("/w/r.json"),
+        threads=2,
+    )
+    assert launcher[:4] == ["py", str(PARITY / "htfllib_launch.py"), "--system", "/f/HtFLlib/system"]
+    assert "--complete-fedre" in launcher and launcher[launcher.index("--threads") + 1] == "2"
+    assert launcher[launcher.index("--model") + 1] == "FedAvgCNN(in_features=1, num_classes=args.num_classes, dim=1024)"
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert len(flags) == len(argv) // 2
+    # the authors' main.py knows -m HtM10 only (the pinned model replaces its list) and spells -ncl as -nb
+    assert flags["-algo"] == "FedRE" and flags["-m"] == "HtM10" and flags["-nb"] == "10" and "-ncl" not in flags
+    assert (flags["-slr"], flags["-hbs"], flags["-fd"], flags["-lbs"], flags["-gr"]) == ("0.05", "7", "512", "10", "20")
+    # the other HtFLlib rows keep HtFLlib's own names
+    _, local = parity.REFERENCES["htfllib"].commands(
+        parity.PARITY["local"], {}, cfg, root=Path("/h"), python="py", data="d", num_classes=10, channels=1, image_size=28, result=Path("/w/r.json")
+    )
+    assert "-ncl" in local and "--complete-fedre" not in local and local[local.index("-m") + 1] == "HtFE-img-2"
+
+
+def _fedre_system(root: Path) -> Path:
+    """A stand-in for the authors' HtFLlib/system: the calls the launcher relies on, with the release's
+    gaps (no evaluate, no send_parameters, no save_results; main.py pins one torch thread)."""
+    system = root / "HtFLlib" / "system"
+    (system / "flcore" / "servers").mkdir(parents=True)
+    (system / "flcore" / "trainmodel").mkdir(parents=True)
+    (system / "flcore" / "trainmodel" / "models.py").write_text(
+        "import torch\n"
+        "class BaseHeadSplit(torch.nn.Module):\n"
+        "    def __init__(self, args, cid):\n"
+        "        super().__init__()\n"
+        "        self.base, self.head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)\n"
+    )
+    (system / "flcore" / "servers" / "serverbase.py").write_text(
+        "import json, os\n"
+        "class Server:\n"
+        "    def __init__(self, args):\n"
+        "        self.args, self.eval_gap, self.rs_test_acc, self.log = args, args.eval_gap, [], []\n"
+        "    def send_parameters(self):\n"
+        "        self.log.append('send')\n"
+        "    def evaluate(self):\n"
+        "        self.log.append('eval')\n"
+        "        self.rs_test_acc.append(0.1 * (len(self.rs_test_acc) + 1))\n"
+        "    def save_results(self):\n"
+        "        os.makedirs('../results', exist_ok=True)\n"
+        "        a = self.args\n"
+        "        json.dump({'rs_test_acc': self.rs_test_acc}, open(f'../results/{a.dataset}_{a.algorithm}_{a.goal}_0.h5', 'w'))\n"
+    )
+    (system / "flcore" / "servers" / "serverre.py").write_text(
+        "from flcore.servers.serverbase import Server\n"
+        "class FedRE(Server):\n"
+        "    def select_clients(self):\n"
+        "        return [0, 1]\n"
+        "    def train(self):\n"
+        "        for i in range(self.args.global_rounds + 1):\n"
+        "            self.selected_clients = self.select_clients()\n"
+        "            self.log.append('train')\n"
+        "            print('-' * 25, 'time cost', '-' * 25, 1.0 + i)\n"
+        "        print('log', ','.join(self.log))\n"
+        "        print(max(self.rs_test_acc))\n"
+    )
+    (system / "main.py").write_text(
+        "import argparse, torch\n"
+        "from flcore.servers.serverre import FedRE\n"
+        "torch.set_num_threads(1)  # the authors' set_random_seed does this\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('-data', '--dataset'); p.add_argument('-algo', '--algorithm'); p.add_argument('-go', '--goal')\n"
+        "p.add_argument('-gr', '--global_rounds', type=int); p.add_argument('-eg', '--eval_gap', type=int, default=1)\n"
+        "p.add_argument('-t', '--times', type=int, default=1); p.add_argument('-pv', '--prev', type=int, default=0)\n"
+        "args = p.parse_args()\n"
+        "FedRE(args).train()\n"
+        "print('threads', torch.get_num_threads())\n"
+    )
+    return system
+
+
+def test_launcher_completes_the_authors_fedre_and_keeps_the_thread_count(tmp_path: Path):
+    """htfllib_launch.py --complete-fedre on a stand-in of the authors' system/: every round sends the head
+    then evaluates (before the clients train, as HtFLlib's FedGH), the run saves its results, and main.py's
+    own torch.set_num_threads(1) does not override --threads. Without the flag the release fails as it does."""
+    import subprocess
+
+    system = _fedre_system(tmp_path / "fedre")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "h5py.py").write_text(
+        "import json\nimport numpy as np\n"
+        "class File:\n"
+        "    def __init__(self, path, mode):\n"
+        "        self.data = {k: np.asarray(v) for k, v in json.load(open(path)).items()}\n"
+        "    def __enter__(self):\n        return self.data\n"
+        "    def __exit__(self, *exc):\n        return False\n"
+    )
+    cwd = tmp_path / "work" / "cwd"
+    cwd.mkdir(parents=True)
+    env = {**__import__("os").environ, "PYTHONPATH": str(fake)}
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(PARITY / "htfllib_launch.py"), "--system", str(system), "--threads", "2", "--model", "Net()", *extra]
+        cmd += ["--", "-data", "d", "-algo", "FedRE", "-go", "parity", "-gr", "2"]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+
+    done = launch("--complete-fedre")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "log send,eval,train,send,eval,train,send,eval,train" in done.stdout  # R+1 rounds, evaluated at each start
+    assert "PARITY-PATCHED" in done.stdout and "PARITY-THREADS main.py set 1 torch thread(s); kept --threads 2" in done.stdout
+    assert "threads 2" in done.stdout
+    log = tmp_path / "work" / "fedre.log"
+    log.write_text(done.stdout)
+    side = _load("run_parity").htfllib_side(log, rounds=2)
+    assert side["acc_untrained"] == pytest.approx(0.1) and side["acc"] == pytest.approx([0.2, 0.3]) and side["threads"] == 2
+    assert side["s_per_round"] == 2.5 and side["seconds"] == [1.0, 2.0, 3.0]
+    bare = launch()
+    assert bare.returncode != 0 and "max() arg is an empty sequence" in bare.stderr  # the release as published
+
+
+def test_run_parity_refuses_bad_fedre_input_before_writing(tmp_path: Path, capsys):
+    parity = _load("run_parity")
+    out = tmp_path / "out"
+    cases = [
+        ["--methods", "fedre", "--fedre", str(tmp_path), "--out", str(out)],  # no HtFLlib/system/main.py there
+        ["--reference", "pfllib", "--methods", "fedavg", "--fedre", str(tmp_path), "--sides", "privfl", "--out", str(out)],
+    ]
+    for argv in cases:
+        capsys.readouterr()
+        assert parity.run_cli("run_parity.py", lambda argv=argv: parity.main(argv)) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--fedre" in err[0], (argv, err)
         assert not out.exists(), argv

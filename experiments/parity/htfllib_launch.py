@@ -20,6 +20,19 @@ files; nothing of HtFLlib is copied or edited):
   module in its ``temp/`` folder (``torch.save``/``torch.load`` of whole models) and was written for
   torch < 2.6, where ``torch.load`` unpickled by default; torch >= 2.6 refuses such files unless told.
   The files are the ones this very process wrote a moment earlier.
+* main.py's own ``torch.set_num_threads`` calls are ignored (one ``PARITY-THREADS`` line says so): the
+  FedRE authors' ``main.py`` sets one thread in its ``set_random_seed``, and both sides of a row must
+  compute with the same ``--threads``.
+* ``--complete-fedre`` (the FedRE authors' code, AIResearch-Group/FedRE, whose ``HtFLlib/system`` is a
+  self-contained partial HtFLlib: ``main.py``, ``serverre.py``, ``clientre.py`` and the base classes).
+  Its server's round trains the clients, uploads one entangled representation each and trains the global
+  head, but it never sends the head back to the clients, never evaluates and never saves results, so its
+  ``train()`` fails at the end on ``max([])`` and ``main.py``'s ``average_data`` finds no results file
+  (``../shared/specs/anchors.md`` §4). The flag wraps two of its methods at run time, as HtFLlib's other
+  servers (FedGH's ``train``) do each round: after ``select_clients``, ``send_parameters()`` (every
+  client loads the server's head, the base class's method) and, every ``-eg`` rounds, ``evaluate()``,
+  both inside the round's timed span as in FedGH; after ``train()``, ``save_results()``. Nothing else of
+  its round changes (one line ``PARITY-PATCHED`` says what was wrapped).
 * Before training, one line ``PARITY-MODEL {json}``: client 0's ``BaseHeadSplit`` parameter names and
   shapes, built on a forked RNG (nothing of HtFLlib's seeding changes). After training, one line
   ``PARITY-RESULT {json}`` with the results file's ``rs_test_acc`` (read with h5py, which HtFLlib needs
@@ -114,6 +127,43 @@ def pin_models(models: list[str], on_parsed: Any) -> None:
     argparse.ArgumentParser.parse_args = parse_args  # type: ignore[method-assign,assignment]
 
 
+def keep_thread_count(threads: int) -> None:
+    """Set torch's thread count and ignore later changes (main.py's own, see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def set_num_threads(n: int) -> None:
+        if n != threads:
+            print(f"PARITY-THREADS main.py set {n} torch thread(s); kept --threads {threads}", flush=True)
+
+    torch.set_num_threads = set_num_threads  # type: ignore[assignment]
+
+
+def complete_fedre() -> list[str]:
+    """Wrap the FedRE authors' server so that each round broadcasts the head and evaluates, and the run
+    saves its results (module docstring); returns what was wrapped."""
+    server_cls = importlib.import_module("flcore.servers.serverre").FedRE
+    select_clients, train = server_cls.select_clients, server_cls.train
+
+    def select_then_broadcast_and_evaluate(self: Any) -> Any:
+        selected = select_clients(self)
+        rnd = self.__dict__.get("_parity_round", 0)
+        self._parity_round = rnd + 1
+        self.send_parameters()
+        if rnd % self.eval_gap == 0:
+            self.evaluate()
+        return selected
+
+    def train_then_save(self: Any) -> None:
+        train(self)
+        self.save_results()
+
+    server_cls.select_clients = select_then_broadcast_and_evaluate
+    server_cls.train = train_then_save
+    return ["FedRE.select_clients: then send_parameters() and, every eval_gap rounds, evaluate()", "FedRE.train: then save_results()"]
+
+
 def read_results(args: argparse.Namespace) -> dict[str, Any]:
     """``../results/<dataset>_<algorithm>_<goal>_<times-1>.h5`` as main.py wrote it (run i = 0 .. times-1)."""
     h5py = importlib.import_module("h5py")
@@ -136,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=[], help="pin args.models to these constructor strings (repeatable)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--result", help="also write the PARITY-RESULT JSON here")
+    p.add_argument(
+        "--complete-fedre", action="store_true", help="the FedRE authors' main.py: broadcast the head, evaluate and save results (see above)"
+    )
     ns = p.parse_args(argv[:cut])
     system = Path(ns.system).resolve()
     main_py = system / "main.py"
@@ -146,11 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # see the module docstring
     import torch
 
-    torch.set_num_threads(ns.threads)
+    keep_thread_count(ns.threads)
     sys.path.insert(0, str(system))
     stubbed = stub_optional_servers()
     if stubbed:
         print(f"PARITY-STUBBED {json.dumps(stubbed)}", flush=True)
+    if ns.complete_fedre:
+        print(f"PARITY-PATCHED {json.dumps(complete_fedre())}", flush=True)
 
     parsed: dict[str, argparse.Namespace] = {}
 

@@ -44,11 +44,15 @@ round's difference says little. ``--seeds 0,1,2`` adds a mean row per method (an
 each seed is its own partition and initialisation, so the spread of the per-seed differences is the
 noise a difference has to beat.
 
-**Time per round.** privfl: the mean of ``metrics.jsonl`` ``seconds`` (local training, server, every
-evaluation of ``--eval both``, checkpoint and capture writes). HtFLlib: the mean of its printed per-round
-``time cost`` over rounds 1..R, the figure its own ``Average time cost per round`` prints (evaluation at
-the start, local training, server, and its per-round torch.save/torch.load of every model in
-``temp/``). Both in one process with one thread, on the same machine; other load on it shows in both.
+**Time per round.** privfl: ``metrics.jsonl`` ``seconds`` (local training, server, every evaluation of
+``--eval both``, checkpoint and capture writes). HtFLlib: its printed per-round ``time cost`` (evaluation
+at the start, local training, server, and its per-round torch.save/torch.load of every model in
+``temp/``). The ``s/round`` columns are each side's mean over its rounds after the first, as HtFLlib's own
+``Average time cost per round`` leaves its first round out: a process's first round pays one-off costs on
+both sides, above all the ~2.8 s import of ``torch._dynamo`` that the first ``torch.optim`` optimizer
+triggers (torch 2.15, measured here), which a side that left it in would carry alone. The ``incl. 1st``
+columns are the means over every round. Both in one process with the same threads, on the same machine;
+other load on it shows in both.
 
 **PFLlib** (``--reference pfllib --pfllib PATH``, ``pfllib_launch.py``): the same steps, with these
 differences. (a) PFLlib's train loader shuffles (torch's global RNG) and drops the last partial batch,
@@ -124,6 +128,22 @@ Options = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
+class Source:
+    """A method's reference code that lives outside the reference library, in a checkout of its own given
+    with ``--OPTION PATH`` (FedRE: the authors' repository, whose ``HtFLlib/system`` is a self-contained
+    partial HtFLlib). ``subdir``: the folder under PATH that holds ``system/``; ``family``: its ``main.py``'s
+    ``-m`` (the pinned model replaces the family's list); ``rename``: shared flags its ``main.py`` spells
+    otherwise; ``launcher``: flags for ``htfllib_launch.py`` (e.g. ``--complete-fedre``)."""
+
+    option: str
+    subdir: str
+    family: str
+    rename: Mapping[str, str] = field(default_factory=dict)
+    launcher: tuple[str, ...] = ()
+    repository: str = ""
+
+
+@dataclass(frozen=True)
 class Parity:
     """How one privfl method is run on the reference library's side (HtFLlib or PFLlib).
 
@@ -145,6 +165,7 @@ class Parity:
     note: str = ""
     setting: Callable[[Options], dict[str, Any]] = lambda setting: {}
     protocol: str = "global"
+    source: Source | None = None
 
 
 def _f(x: Any) -> str:
@@ -158,7 +179,21 @@ def _need(cond: bool, text: str) -> list[str]:
 PARITY: dict[str, Parity] = {
     "local": Parity("Local"),
     "fedavg": Parity(None, note="HtFLlib has no FedAvg (its sibling PFLlib has)"),
-    "fedre": Parity(None, note="HtFLlib has no FedRE"),
+    "fedre": Parity(
+        "FedRE",
+        flags=lambda o, cfg: ["-slr", _f(o["server_lr"]), "-hbs", str(o["server_batch"])],
+        mismatch=lambda o, cfg: (
+            _need(o["re"] == "rap", "the authors' FedRE entangles class prototypes with random weights: fedre.re=rap")
+            + _need(o["weight_dist"] == "uniform", "the authors' FedRE draws torch.rand weights: fedre.weight_dist=uniform")
+            + _need(o["sampling"] == "resample", "the authors' FedRE draws new weights every round: fedre.sampling=resample")
+            + _need(o["server_epochs"] == 1, "the authors' FedRE server trains one epoch per round: fedre.server_epochs=1")
+            + _need(o["server_reduction"] == "sum", "the authors' FedRE server sums its loss over a batch: fedre.server_reduction=sum")
+            + _need(cfg.get("mapping", "ap") == "ap", "the authors' FedRE maps representations with AdaptiveAvgPool1d: --mapping ap")
+        ),
+        note="the authors' code (--fedre), completed by the launcher: head broadcast, evaluation and results each round as in "
+        "HtFLlib's FedGH; its prototypes skip each client's last partial batch (drop_last), privfl's use every train sample",
+        source=Source("fedre", "HtFLlib", "HtM10", rename={"-ncl": "-nb"}, launcher=("--complete-fedre",), repository="AIResearch-Group/FedRE"),
+    ),
     "fedproto": Parity(
         "FedProto",
         # HtFLlib averages the clients' prototypes unweighted, each the mean of its training steps' representations
@@ -357,12 +392,18 @@ class Reference:
         shared |= {"-ls": str(cfg["local_epochs"]), "-jr": "1", "-nc": str(cfg["num_clients"]), "-ncl": str(num_classes)}
         if self.key == "htfllib":
             shared["-fd"] = str(cfg["rep_dim"])
+        source = parity.source
+        if source is not None:
+            shared["-m"] = source.family
+            shared = {source.rename.get(k, k): v for k, v in shared.items()}
         shared |= {"-dev": "cpu", "-go": "parity", "-t": "1", "-eg": "1"}
         own = parity.flags(opts, cfg)
         if len(own) % 2:
             raise ValueError(f"{parity.algo}: method flags must come in flag/value pairs, got {own}")
         shared |= dict(zip(own[::2], own[1::2]))
         launcher = [python, str(self.launcher), "--system", str(root / "system"), "--threads", str(threads), "--result", str(result)]
+        if source is not None:
+            launcher += list(source.launcher)
         if self.key == "htfllib":
             pinned = MODEL_GROUPS[cfg["model_group"]][1]
             if pinned:
@@ -485,6 +526,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def round_seconds(seconds: Sequence[float]) -> tuple[float, float]:
+    """(mean over the rounds after the first, mean over all) of one side's per-round seconds (module
+    docstring, "Time per round"); NaN where there are none."""
+    if not seconds:
+        return float("nan"), float("nan")
+    return (statistics.fmean(seconds[1:]) if len(seconds) > 1 else float("nan")), statistics.fmean(seconds)
+
+
 def privfl_side(run_dir: Path) -> dict[str, Any]:
     """Accuracy (global and personal, final and best) and seconds per round of a finished privfl run."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -497,7 +546,7 @@ def privfl_side(run_dir: Path) -> dict[str, Any]:
         "final_acc": acc[-1],
         "best_acc": acc[best],
         "best_round": rows[best]["round"],
-        "s_per_round": statistics.fmean(r["seconds"] for r in rows),
+        "s_per_round": round_seconds([r["seconds"] for r in rows])[0],
         "seconds": [r["seconds"] for r in rows],
     }
     if all("acc_personal" in r for r in rows):
@@ -534,7 +583,7 @@ def htfllib_side(log: Path, rounds: int) -> dict[str, Any]:
         "final_acc": aligned[-1],
         "best_acc": aligned[best],
         "best_round": best,
-        "s_per_round": statistics.fmean(times[1:]) if len(times) > 1 else float("nan"),
+        "s_per_round": round_seconds(times)[0],
         "seconds": times,
         "threads": result.get("threads"),
         "results_file": result["runs"][0]["file"],
@@ -612,6 +661,8 @@ COLUMNS = [
     ("diff_last5", "diff last-5 (pp)"),
     ("privfl_s_round", "privfl s/round"),
     ("htfllib_s_round", "HtFLlib s/round"),
+    ("privfl_s_round_all", "privfl s/round incl. 1st"),
+    ("htfllib_s_round_all", "HtFLlib s/round incl. 1st"),
 ]
 
 
@@ -645,8 +696,11 @@ def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
         "privfl_last5": _last(acc),
         "htfllib_last5": _last(h.get("acc")),
         "diff_last5": None,
-        "privfl_s_round": p.get("s_per_round"),
-        "htfllib_s_round": h.get("s_per_round"),
+        # from each side's per-round seconds where recorded (tables written before privfl left its first round out too)
+        "privfl_s_round": round_seconds(p["seconds"])[0] if p.get("seconds") else p.get("s_per_round"),
+        "htfllib_s_round": round_seconds(h["seconds"])[0] if h.get("seconds") else h.get("s_per_round"),
+        "privfl_s_round_all": round_seconds(p["seconds"])[1] if p.get("seconds") else None,
+        "htfllib_s_round_all": round_seconds(h["seconds"])[1] if h.get("seconds") else None,
         "htfllib_algo": row.get("htfllib_algo"),
         "reference": row.get("reference", "HtFLlib"),
         "protocol": row.get("protocol", "global"),
@@ -672,7 +726,7 @@ def aggregate(flat: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, _ in COLUMNS[2:]:
             values = [r[key] for r in rows if r[key] is not None]
             agg[key] = statistics.fmean(values) if values else None
-            if len(values) > 1 and not key.endswith("s_round"):
+            if len(values) > 1 and "s_round" not in key:
                 agg[key + "_std"] = statistics.stdev(values)
         out.append(agg)
     return out
@@ -688,7 +742,7 @@ def render(flat: list[dict[str, Any]]) -> str:
             v = r.get(key)
             if key in ("method", "seed"):
                 line.append(str(v))
-            elif key.endswith("s_round"):
+            elif "s_round" in key:
                 line.append(secs(v))
             elif key.startswith("diff"):
                 line.append("-" if v is None else f"{100 * v:+.2f}")
@@ -788,6 +842,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pfllib", help="PFLlib checkout (the folder holding system/); required for --reference pfllib unless --sides privfl")
     p.add_argument("--pfllib-python", default=sys.executable, help="Python that runs PFLlib (default: this one)")
     p.add_argument("--pfllib-pythonpath", default="", help="prepended to PFLlib's PYTHONPATH (e.g. where h5py and calmsize were installed)")
+    p.add_argument(
+        "--fedre",
+        help="the FedRE authors' repository (AIResearch-Group/FedRE, the folder holding HtFLlib/): with --reference htfllib, "
+        "FedRE's row runs its code (with HtFLlib's Python options)",
+    )
     p.add_argument("--sides", help="which sides to run: privfl, the reference (htfllib or pfllib) or both (default: both)")
     p.add_argument("--out", default="runs/parity", help="output folder (new or empty)")
     p.add_argument("--dataset", default="fashionmnist")
@@ -871,12 +930,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref_python = getattr(args, f"{ref.key}_python")
     extra_path = [p for p in getattr(args, f"{ref.key}_pythonpath").split(os.pathsep) if p]
     ref_env = {**os.environ, **thread_env(args.threads), "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # methods whose reference code is a checkout of its own (Source): --OPTION PATH -> the folder holding system/
+    source_roots: dict[str, Path] = {}
+    for option in sorted({spec.source.option for spec in REFERENCES["htfllib"].methods.values() if spec.source}):
+        given = getattr(args, option)
+        if given is not None and ref.key != "htfllib":
+            raise ConfigError(f"--{option} runs with --reference htfllib (its code is HtFLlib-based), not --reference {ref.key}")
+        if given is not None:
+            spec_ = next(m for m in ref.methods.values() if m.source and m.source.option == option)
+            assert spec_.source is not None
+            source_roots[option] = Path(given).resolve() / spec_.source.subdir
     if run_ref:
-        if ref_root is None:
-            raise ConfigError(f"--{ref.key} PATH is required to run {ref.name}'s side (or --sides privfl)")
-        problem = check_reference(ref, ref_root, ref_python, ref_env)
-        if problem:
-            raise ConfigError(problem)
+        in_library = [m for m in methods if m in ref.methods and ref.methods[m].algo and ref.methods[m].source is None]
+        if ref_root is None and in_library:
+            raise ConfigError(f"--{ref.key} PATH is required to run {ref.name}'s side of {', '.join(in_library)} (or --sides privfl)")
+        if ref_root is not None:
+            problem = check_reference(ref, ref_root, ref_python, ref_env)
+            if problem:
+                raise ConfigError(problem)
+        for option, root in source_roots.items():
+            problem = check_reference(ref, root, ref_python, ref_env)
+            if problem:
+                raise ConfigError(problem.replace(f"--{ref.key} {root}", f"--{option} {root.parent}", 1))
 
     setting = Setting(
         args.dataset,
@@ -907,6 +982,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": args.threads,
         ref.key: str(ref_root) if ref_root else None,
         f"{ref.key}_commit": git_commit(ref_root) if ref_root else None,
+        **{option: str(root.parent) for option, root in source_roots.items()},
+        **{f"{option}_commit": git_commit(root.parent) for option, root in source_roots.items()},
         "python": sys.version.split()[0],
         "torch": __import__("torch").__version__,
     }
@@ -953,10 +1030,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     final = done.get("final_acc_personal") if parity.protocol == "personal" else done["final_acc"]
                     print(f"[seed {seed}] privfl {method}: final {pct(final)} ({parity.protocol}), {secs(done['s_per_round'])} s/round", flush=True)
             write_tables()
-            # ---- the reference library
+            # ---- the reference library (or the method's own reference code, Source)
             if not run_ref or parity.algo is None:
                 continue
-            assert ref_root is not None
+            method_root = ref_root
+            if parity.source is not None:
+                method_root = source_roots.get(parity.source.option)
+                if method_root is None:
+                    row["note"] = (
+                        f"{ref.name} has no {parity.algo}; --{parity.source.option} PATH ({parity.source.repository}) runs the authors' code"
+                    )
+                    write_tables()
+                    continue
+            assert method_root is not None
             if "privfl" in row:
                 resolved = json.loads((run_dir / "config.json").read_text())
             elif "privfl" in sides:
@@ -1009,7 +1095,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parity,
                 opts,
                 resolved,
-                root=ref_root,
+                root=method_root,
                 python=ref_python,
                 data=name,
                 num_classes=int(data_cfg["num_classes"]),
