@@ -323,6 +323,20 @@ def test_pfllib_flags_follow_privfl_options_and_replace_shared_ones():
         assert len(parity.PFLLIB[method].mismatch(opts, cfg)) == 1, method
 
 
+def _fake_h5py(folder: Path) -> Path:
+    """A folder holding a stand-in ``h5py`` whose ``File`` reads the JSON the stand-in main.py files write."""
+    folder.mkdir()
+    (folder / "h5py.py").write_text(
+        "import json\nimport numpy as np\n"
+        "class File:\n"
+        "    def __init__(self, path, mode):\n"
+        "        self.data = {k: np.asarray(v) for k, v in json.load(open(path)).items()}\n"
+        "    def __enter__(self):\n        return self.data\n"
+        "    def __exit__(self, *exc):\n        return False\n"
+    )
+    return folder
+
+
 def test_pfllib_launcher_runs_main_py_reports_client_0s_model_and_the_results(tmp_path: Path):
     """pfllib_launch.py on a stand-in for PFLlib's system/ (same file names, the calls the launcher relies
     on) and a stand-in h5py: one thread, FedPAC's server stubbed when cvxpy is missing, PARITY-MODEL from
@@ -356,16 +370,7 @@ def test_pfllib_launcher_runs_main_py_reports_client_0s_model_and_the_results(tm
         "os.makedirs('../results', exist_ok=True)\n"
         "json.dump({'rs_test_acc': [0.1, 0.5, 0.75]}, open(f'../results/{args.dataset}_{args.algorithm}_{args.goal}_0.h5', 'w'))\n"
     )
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "h5py.py").write_text(
-        "import json\nimport numpy as np\n"
-        "class File:\n"
-        "    def __init__(self, path, mode):\n"
-        "        self.data = {k: np.asarray(v) for k, v in json.load(open(path)).items()}\n"
-        "    def __enter__(self):\n        return self.data\n"
-        "    def __exit__(self, *exc):\n        return False\n"
-    )
+    fake = _fake_h5py(tmp_path / "fake")
     cwd = tmp_path / "work" / "cwd"
     cwd.mkdir(parents=True)
     log = tmp_path / "work" / "fedavg.log"
@@ -543,16 +548,7 @@ def test_launcher_completes_the_authors_fedre_and_keeps_the_thread_count(tmp_pat
     import subprocess
 
     system = _fedre_system(tmp_path / "fedre")
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "h5py.py").write_text(
-        "import json\nimport numpy as np\n"
-        "class File:\n"
-        "    def __init__(self, path, mode):\n"
-        "        self.data = {k: np.asarray(v) for k, v in json.load(open(path)).items()}\n"
-        "    def __enter__(self):\n        return self.data\n"
-        "    def __exit__(self, *exc):\n        return False\n"
-    )
+    fake = _fake_h5py(tmp_path / "fake")
     cwd = tmp_path / "work" / "cwd"
     cwd.mkdir(parents=True)
     env = {**__import__("os").environ, "PYTHONPATH": str(fake)}
