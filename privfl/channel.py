@@ -93,8 +93,11 @@ class _Broadcast:
     copy: dict[str, torch.Tensor] | None = None
 
 
-def _content_key(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, int, int], ...]:
-    # the same tensor objects, none changed in place since (an in-place op bumps ``_version``)
+def _content_key(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, int, int], ...] | None:
+    """The same tensor objects, none changed in place since (an in-place op bumps ``_version``); None
+    for tensors made under ``torch.inference_mode``, which keep no version counter (never reused)."""
+    if any(t.is_inference() for t in tensors.values()):
+        return None
     return tuple((name, id(t), t._version) for name, t in tensors.items())
 
 
@@ -142,7 +145,8 @@ class Channel:
         }
         if truth is not None and self.truth is not None:
             record["truth"] = True  # verify checks that the ground-truth store holds it
-        done = None if self._broadcast is None else self._broadcast.setdefault(_content_key(msg.tensors), _Broadcast(msg))
+        key = None if self._broadcast is None else _content_key(msg.tensors)
+        done = None if key is None or self._broadcast is None else self._broadcast.setdefault(key, _Broadcast(msg))
         if self.capture is not None:
             record = self.capture.append(record, msg.tensors, stored=done.blob if done is not None else None)
             if done is not None:

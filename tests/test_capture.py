@@ -145,5 +145,10 @@ def test_broadcast_serialises_each_content_once_and_captures_exactly_what_left(t
     # the same tensors sent again, outside a broadcast, are serialised again (no cache across sends)
     ch.send(Message(1, "server", "client0", "head", tensors))
     assert len(saves) == 4
+    # tensors made in inference mode keep no version counter: each receiver's message is serialised
+    with torch.inference_mode():
+        frozen = {"weight": torch.ones(2, 3), "bias": torch.ones(2)}
+    out = Channel(cap).broadcast(1, ["client0", "client2"], "head", frozen, shared=True)
+    assert len(saves) == 6 and all(torch.equal(m.tensors["weight"], frozen["weight"]) for m in out.values())
     with pytest.raises(ValueError, match="not stored by this store"):
         cap.append({"round": 1, "sender": "server", "receiver": "client0", "kind": "head"}, tensors, stored=("0" * 64, 10))
