@@ -48,10 +48,11 @@ noise a difference has to beat.
 ``--eval both``, checkpoint and capture writes). HtFLlib: its printed per-round ``time cost`` (evaluation
 at the start, local training, server, and its per-round torch.save/torch.load of every model in
 ``temp/``). The ``s/round`` columns are each side's mean over its rounds after the first, as HtFLlib's own
-``Average time cost per round`` leaves its first round out: a process's first round pays one-off costs on
-both sides, above all the ~2.8 s import of ``torch._dynamo`` that the first ``torch.optim`` optimizer
-triggers (torch 2.15, measured here), which a side that left it in would carry alone. The ``incl. 1st``
-columns are the means over every round. Both in one process with the same threads, on the same machine;
+``Average time cost per round`` leaves its first round out: privfl's first round pays one-off costs, above
+all the ~2.8 s import of ``torch._dynamo`` that torch 2.15 performs when a process builds its first
+``torch.optim`` optimizer (measured here), which HtFLlib and PFLlib pay before their first round (their
+first round is as long as the others), so averaging privfl's with it would charge that cost to privfl
+alone. The ``incl. 1st`` columns are the means over every round. Both in one process with the same threads, on the same machine;
 other load on it shows in both.
 
 **PFLlib** (``--reference pfllib --pfllib PATH``, ``pfllib_launch.py``): the same steps, with these
@@ -73,7 +74,8 @@ BatchNorm, so it is FedAvg on both sides). A privfl option PFLlib cannot express
 PFLlib side runs in ``--out``/``pfllib/seed<S>/``; it needs ``h5py`` and ``calmsize``
 (``--pfllib-pythonpath``); FedPAC's server (``cvxpy``) is stubbed by the launcher.
 
-Methods the reference does not have (HtFLlib: ``fedavg``, ``fedre``) are trained on privfl's side only. Outputs under
+Methods the reference does not have (HtFLlib: ``fedavg``; ``fedre`` unless ``--fedre PATH`` gives its authors'
+code, a ``Source`` in the map) are trained on privfl's side only. Outputs under
 ``--out`` (a new or empty folder): ``table.json``, ``table.csv``, ``table.txt``, ``privfl/`` (the runs),
 ``htfllib/seed<S>/`` or ``pfllib/seed<S>/`` (``dataset/``, ``results/``, one log and result JSON per
 method). The reference side's columns and JSON keys are ``htfllib_*`` for either library (``reference``
