@@ -724,8 +724,14 @@ def class_prototypes(reps: torch.Tensor, labels: torch.Tensor, num_classes: int)
     counts = torch.bincount(labels, minlength=num_classes)
     sums = torch.zeros(num_classes, reps.shape[1], dtype=reps.dtype, device=reps.device)
     sums.index_add_(0, labels, reps)
+    present, means = present_class_means(sums, counts)
+    return present, means, counts[present]
+
+
+def present_class_means(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(classes with a non-zero count, their means (k, d)) from per-class sums (C, d) and counts (C,)."""
     present = torch.nonzero(counts, as_tuple=False).flatten()
-    return present, sums[present] / counts[present].unsqueeze(1).to(reps.dtype), counts[present]
+    return present, sums[present] / counts[present].unsqueeze(1).to(sums.dtype)
 
 
 def global_test_indices(test_sets: list[torch.Tensor], n: int, seed: int) -> torch.Tensor:

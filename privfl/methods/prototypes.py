@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes
+from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes, present_class_means
 from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
 
 
@@ -47,8 +47,7 @@ class TrainingPrototypes:
 
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(classes seen, their mean representation (k, d))."""
-        present = torch.nonzero(self.seen, as_tuple=False).flatten()
-        return present, self.sums[present] / self.seen[present].unsqueeze(1).to(self.sums.dtype)
+        return present_class_means(self.sums, self.seen)
 
 
 def prototype_message(
