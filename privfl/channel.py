@@ -145,8 +145,9 @@ class Channel:
         }
         if truth is not None and self.truth is not None:
             record["truth"] = True  # verify checks that the ground-truth store holds it
-        key = None if self._broadcast is None else _content_key(msg.tensors)
-        done = None if key is None or self._broadcast is None else self._broadcast.setdefault(key, _Broadcast(msg))
+        done = None
+        if self._broadcast is not None and (key := _content_key(msg.tensors)) is not None:
+            done = self._broadcast.setdefault(key, _Broadcast(msg))
         if self.capture is not None:
             record = self.capture.append(record, msg.tensors, stored=done.blob if done is not None else None)
             if done is not None:
