@@ -264,24 +264,20 @@ def test_pfllib_map_names_pfllib_algorithms_and_options_privfl_has():
     assert parity.PFLLIB["perfedavg"].protocol == "personal" and parity.PFLLIB["fedrep"].protocol == "global"
 
 
+def _commands(ref, spec, opts: dict, cfg: dict, *, root: Path, data: str = "fashionmnist_privfl_s0", threads: int = 1):
+    """``Reference.commands`` for a 1x28x28, 10-class export named ``data``, with interpreter ``py``."""
+    return ref.commands(
+        spec, opts, cfg, root=root, python="py", data=data, num_classes=10, channels=1, image_size=28, result=Path("/w/r.json"), threads=threads
+    )
+
+
 def test_pfllib_flags_follow_privfl_options_and_replace_shared_ones():
     parity = _load("run_parity")
     ref = parity.REFERENCES["pfllib"]
 
     def flags(method: str, opts: dict, cfg: dict | None = None) -> dict[str, str]:
         cfg = {**SETTING, **(cfg or {})}
-        launcher, argv = ref.commands(
-            parity.PFLLIB[method],
-            opts,
-            cfg,
-            root=Path("/p"),
-            python="py",
-            data="FashionMNIST_privfl_s0",
-            num_classes=10,
-            channels=1,
-            image_size=28,
-            result=Path("/w/r.json"),
-        )
+        launcher, argv = _commands(ref, parity.PFLLIB[method], opts, cfg, root=Path("/p"), data="FashionMNIST_privfl_s0")
         assert launcher[:4] == ["py", str(PARITY / "pfllib_launch.py"), "--system", "/p/system"] and "--model" not in launcher
         keys = argv[::2]
         assert len(keys) == len(set(keys)), argv  # a method flag replaces the shared one, never repeats it
@@ -457,19 +453,8 @@ def test_fedre_row_runs_the_authors_main_py_with_its_flag_names():
     for key, value in (("re", "rar"), ("weight_dist", "gaussian"), ("sampling", "fixed"), ("server_epochs", 2), ("server_reduction", "mean")):
         assert len(spec.mismatch({**opts, key: value}, cfg)) == 1, key
     assert len(spec.mismatch(opts, {**cfg, "mapping": "fc"})) == 1
-    launcher, argv = parity.REFERENCES["htfllib"].commands(
-        spec,
-        {**opts, "server_lr": 0.05, "server_batch": 7},
-        cfg,
-        root=Path("/f/HtFLlib"),
-        python="py",
-        data="fashionmnist_privfl_s0",
-        num_classes=10,
-        channels=1,
-        image_size=28,
-        result=Path("/w/r.json"),
-        threads=2,
-    )
+    htfllib = parity.REFERENCES["htfllib"]
+    launcher, argv = _commands(htfllib, spec, {**opts, "server_lr": 0.05, "server_batch": 7}, cfg, root=Path("/f/HtFLlib"), threads=2)
     assert launcher[:4] == ["py", str(PARITY / "htfllib_launch.py"), "--system", "/f/HtFLlib/system"]
     assert "--complete-fedre" in launcher and launcher[launcher.index("--threads") + 1] == "2"
     assert launcher[launcher.index("--model") + 1] == "FedAvgCNN(in_features=1, num_classes=args.num_classes, dim=1024)"
@@ -479,9 +464,7 @@ def test_fedre_row_runs_the_authors_main_py_with_its_flag_names():
     assert flags["-algo"] == "FedRE" and flags["-m"] == "HtM10" and flags["-nb"] == "10" and "-ncl" not in flags
     assert (flags["-slr"], flags["-hbs"], flags["-fd"], flags["-lbs"], flags["-gr"]) == ("0.05", "7", "512", "10", "20")
     # the other HtFLlib rows keep HtFLlib's own names
-    _, local = parity.REFERENCES["htfllib"].commands(
-        parity.PARITY["local"], {}, cfg, root=Path("/h"), python="py", data="d", num_classes=10, channels=1, image_size=28, result=Path("/w/r.json")
-    )
+    _, local = _commands(htfllib, parity.PARITY["local"], {}, cfg, root=Path("/h"))
     assert "-ncl" in local and "--complete-fedre" not in local and local[local.index("-m") + 1] == "HtFE-img-2"
 
 
@@ -585,3 +568,20 @@ def test_run_parity_refuses_bad_fedre_input_before_writing(tmp_path: Path, capsy
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--fedre" in err[0], (argv, err)
         assert not out.exists(), argv
+
+
+def test_seconds_per_round_leave_each_sides_first_round_out(tmp_path: Path):
+    """privfl's first round carries one-off costs the references pay before theirs: ``s/round`` averages both
+    sides over the rounds after the first, ``incl. 1st`` over all; older tables are recomputed from their
+    per-round seconds; a table with only a mean keeps it."""
+    parity = _load("run_parity")
+    mine = {"acc": [0.5, 0.6, 0.7], "final_acc": 0.7, "best_acc": 0.7, "seconds": [4.0, 1.0, 2.0], "s_per_round": 7 / 3}
+    ref = {"acc": [0.5, 0.6, 0.7], "final_acc": 0.7, "best_acc": 0.7, "seconds": [3.0, 3.0, 5.0, 4.0], "s_per_round": 4.0}
+    row = parity.flat_row({"method": "m", "seed": 0, "privfl": mine, "htfllib": ref})
+    assert row["privfl_s_round"] == 1.5 and row["privfl_s_round_all"] == pytest.approx(7 / 3)
+    assert row["htfllib_s_round"] == 4.0 and row["htfllib_s_round_all"] == 3.75
+    old = parity.flat_row({"method": "m", "seed": 0, "privfl": {**mine, "seconds": None, "s_per_round": 2.0}})
+    assert old["privfl_s_round"] == 2.0 and old["privfl_s_round_all"] is None
+    assert "incl. 1st" in parity.render([row]) and "1.50" in parity.render([row])
+    nan_warm, only = parity.round_seconds([5.0])
+    assert nan_warm != nan_warm and only == 5.0  # one round: no round after the first

@@ -683,6 +683,9 @@ def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
     that tables written before PFLlib was added still render and merge. privfl's accuracy is the one of
     the row's ``protocol`` (``global`` unless the method map says ``personal``)."""
     p, h = row.get("privfl") or {}, row.get("htfllib") or {}
+    # from each side's per-round seconds where recorded (tables written before privfl left its first round out too)
+    p_warm, p_all = round_seconds(p["seconds"]) if p.get("seconds") else (p.get("s_per_round"), None)
+    h_warm, h_all = round_seconds(h["seconds"]) if h.get("seconds") else (h.get("s_per_round"), None)
     personal = row.get("protocol", "global") == "personal"
     acc = p.get("acc_personal") if personal else p.get("acc")
     out = {
@@ -698,11 +701,10 @@ def flat_row(row: Mapping[str, Any]) -> dict[str, Any]:
         "privfl_last5": _last(acc),
         "htfllib_last5": _last(h.get("acc")),
         "diff_last5": None,
-        # from each side's per-round seconds where recorded (tables written before privfl left its first round out too)
-        "privfl_s_round": round_seconds(p["seconds"])[0] if p.get("seconds") else p.get("s_per_round"),
-        "htfllib_s_round": round_seconds(h["seconds"])[0] if h.get("seconds") else h.get("s_per_round"),
-        "privfl_s_round_all": round_seconds(p["seconds"])[1] if p.get("seconds") else None,
-        "htfllib_s_round_all": round_seconds(h["seconds"])[1] if h.get("seconds") else None,
+        "privfl_s_round": p_warm,
+        "htfllib_s_round": h_warm,
+        "privfl_s_round_all": p_all,
+        "htfllib_s_round_all": h_all,
         "htfllib_algo": row.get("htfllib_algo"),
         "reference": row.get("reference", "HtFLlib"),
         "protocol": row.get("protocol", "global"),
@@ -794,9 +796,12 @@ def rerender(sources: Sequence[Path], out: Path) -> list[dict[str, Any]]:
     return write_table_files(out, protocol, rows)
 
 
-def check_reference(ref: Reference, root: Path, python: str, env: Mapping[str, str]) -> str | None:
-    """One line on what keeps the reference library from running here (None: all there)."""
+def check_reference(ref: Reference, root: Path, python: str, env: Mapping[str, str], source: Source | None = None, given: str = "") -> str | None:
+    """One line on what keeps the reference library (or a method's ``source`` checkout ``given``, whose
+    ``system/`` is under ``root``) from running here (None: all there)."""
     if not (root / "system" / "main.py").is_file():
+        if source is not None:
+            return f"--{source.option} {given}: no {source.subdir}/system/main.py there (give a clone of {source.repository})"
         return f"--{ref.key} {root}: no system/main.py there (give the folder that holds {ref.name}'s system/)"
     needed = ref.packages
     probe = f"import importlib.util as u; print(' '.join(n for n in {needed!r} if u.find_spec(n) is None))"
@@ -933,15 +938,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra_path = [p for p in getattr(args, f"{ref.key}_pythonpath").split(os.pathsep) if p]
     ref_env = {**os.environ, **thread_env(args.threads), "PYTHONPATH": os.pathsep.join([*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
     # methods whose reference code is a checkout of its own (Source): --OPTION PATH -> the folder holding system/
+    sources = {spec.source.option: spec.source for spec in PARITY.values() if spec.source}
     source_roots: dict[str, Path] = {}
-    for option in sorted({spec.source.option for spec in REFERENCES["htfllib"].methods.values() if spec.source}):
+    for option, source in sources.items():
         given = getattr(args, option)
-        if given is not None and ref.key != "htfllib":
+        if given is None:
+            continue
+        if ref.key != "htfllib":
             raise ConfigError(f"--{option} runs with --reference htfllib (its code is HtFLlib-based), not --reference {ref.key}")
-        if given is not None:
-            spec_ = next(m for m in ref.methods.values() if m.source and m.source.option == option)
-            assert spec_.source is not None
-            source_roots[option] = Path(given).resolve() / spec_.source.subdir
+        source_roots[option] = Path(given).resolve() / source.subdir
     if run_ref:
         in_library = [m for m in methods if m in ref.methods and ref.methods[m].algo and ref.methods[m].source is None]
         if ref_root is None and in_library:
@@ -951,9 +956,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problem:
                 raise ConfigError(problem)
         for option, root in source_roots.items():
-            problem = check_reference(ref, root, ref_python, ref_env)
+            problem = check_reference(ref, root, ref_python, ref_env, sources[option], getattr(args, option))
             if problem:
-                raise ConfigError(problem.replace(f"--{ref.key} {root}", f"--{option} {root.parent}", 1))
+                raise ConfigError(problem)
 
     setting = Setting(
         args.dataset,
