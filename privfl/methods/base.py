@@ -36,7 +36,7 @@ from privfl.kinds import KINDS, Family, ParamForm, check_sends
 from privfl.methods.layout import compute_layout
 from privfl.methods.parallel import defer_or_run, ordered_map
 from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
-from privfl.methods.trainer import LocalStats, LocalTrainer, with_representation_term
+from privfl.methods.trainer import LocalStats, LocalTrainer, batches_per_epoch, with_representation_term
 from privfl.registry import Registry
 from privfl.seeding import seed_global
 
@@ -68,13 +68,14 @@ class DataView:
         return x, self.labels[idx]
 
     def batches(
-        self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None, *, drop_last: bool = False
+        self, idx: torch.Tensor, batch_size: int, generator: torch.Generator | None = None, *, drop_last: bool = False, min_batch: int = 1
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches over ``idx``; shuffled when a generator is given. The last partial batch is kept
-        unless ``drop_last`` (HtFLlib drops it: a client with fewer samples than a batch then trains nothing)."""
+        unless ``drop_last`` (HtFLlib drops it: a client with fewer samples than a batch then trains nothing)
+        or it is smaller than ``min_batch`` (see :func:`~privfl.methods.trainer.batches_per_epoch`)."""
         if generator is not None:
             idx = idx[torch.randperm(len(idx), generator=generator).to(idx.device)]
-        end = len(idx) - len(idx) % batch_size if drop_last else len(idx)
+        end = batch_size * batches_per_epoch(len(idx), batch_size, drop_last, min_batch)
         for start in range(0, end, batch_size):
             yield self.batch(idx[start : start + batch_size])
 

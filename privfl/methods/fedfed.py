@@ -128,7 +128,6 @@ the clean-image term.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -143,7 +142,7 @@ from privfl.data.datasets import PFLLIB_MEAN_STD
 from privfl.errors import ConfigError
 from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, mean_metrics, module_tensors
 from privfl.methods.fedmrl import weighted_average
-from privfl.methods.trainer import Objective
+from privfl.methods.trainer import Objective, batches_per_epoch, min_train_batch
 from privfl.models.split import SplitModel
 from privfl.seeding import numpy_rng, seed_global, torch_generator
 
@@ -454,7 +453,7 @@ class FedFed(FLMethod):
         o = self.opts
         a_rec, a_ce, a_kl, a_x = self.loss_weights(client)
         n, b = len(client.train_idx), self.cfg.batch_size
-        per_epoch = max(1, n // b if self.cfg.drop_last else math.ceil(n / b))
+        per_epoch = max(1, batches_per_epoch(n, b, self.cfg.drop_last, min_train_batch(client.model)))
         step = [0]
 
         def objective(model: FedFedModel, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

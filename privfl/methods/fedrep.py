@@ -70,6 +70,7 @@ from privfl.config import opt
 from privfl.errors import ConfigError
 from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext
 from privfl.methods.lgfedavg import average_heads
+from privfl.methods.trainer import batches_per_epoch, min_train_batch
 from privfl.seeding import seed_global
 
 #: the client-model prefixes of the shared representation (features + representation mapping)
@@ -193,7 +194,7 @@ class FedRep(FLMethod):
         """Client side: head then body training, the body up."""
         metrics = self.train_client(rnd, client)
         n = len(client.train_idx)
-        steps = self.body_epochs * (n // self.cfg.batch_size if self.cfg.drop_last else -(-n // self.cfg.batch_size))
+        steps = self.body_epochs * batches_per_epoch(n, self.cfg.batch_size, self.cfg.drop_last, min_train_batch(client.model))
         meta = {"arch": client.arch, "num_samples": n, "local_steps": steps}
         msg = Message(rnd, client.name, "server", "model", body_state(client.model), meta)
         return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)

@@ -69,6 +69,24 @@ def with_representation_term(extra: Callable[[torch.Tensor, torch.Tensor, torch.
     return objective
 
 
+def batches_per_epoch(n: int, batch_size: int, drop_last: bool = False, min_batch: int = 1) -> int:
+    """How many batches :meth:`DataView.batches` yields over ``n`` samples: every full batch, and the last
+    partial one unless ``drop_last`` or it holds fewer than ``min_batch`` samples. Training passes
+    ``min_batch=2`` for a model with BatchNorm in training mode (:func:`min_train_batch`)."""
+    full, rest = divmod(n, batch_size)
+    return full + (1 if rest and not drop_last and rest >= min_batch else 0)
+
+
+def min_train_batch(model: nn.Module) -> int:
+    """2 for a model with a BatchNorm layer (it trains in training mode), else 1. Why: BatchNorm cannot normalise a
+    batch of one sample wherever its feature map is 1x1 (torch raises "Expected more than 1 value per
+    channel"; ResNets and MobileNetV2 reach 1x1 on 32x32 inputs), and over one sample its batch statistics
+    are that sample's own anyway. So an epoch's last batch of a single sample is skipped for such models,
+    as HtFLlib skips every partial last batch (``drop_last=True``); it would otherwise crash a paper-scale
+    run whenever a client's train split is one more than a multiple of the batch size."""
+    return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+
+
 class LocalTrainer:
     """The seeded local loop (see the module docstring). One per run, shared by the method's clients."""
 
@@ -113,9 +131,10 @@ class LocalTrainer:
             objective = objective or cross_entropy
             total, steps = 0.0, 0
             parts: dict[str, float] = {}
+            min_batch = min_train_batch(model)
             for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
                 gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch) if self.shuffle else None
-                for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last):
+                for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last, min_batch=min_batch):
                     out = objective(model, x, y)
                     loss, extra = (out, {}) if isinstance(out, torch.Tensor) else out
                     opt.zero_grad(set_to_none=True)
@@ -134,4 +153,4 @@ class LocalTrainer:
             return LocalStats(total / n, {k: v / n for k, v in parts.items()}, steps)
 
 
-__all__ = ["LocalStats", "LocalTrainer", "Objective", "cross_entropy", "with_representation_term"]
+__all__ = ["LocalStats", "LocalTrainer", "Objective", "batches_per_epoch", "cross_entropy", "min_train_batch", "with_representation_term"]

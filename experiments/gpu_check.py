@@ -1,0 +1,303 @@
+"""privfl on a CUDA GPU, measured (issue 17, goal 6): seconds per round and GPU memory of the FedRE paper
+configuration, and the README's main job on the GPU against the same machine's CPU.
+
+Three parts, each timed on its own and each allowed to fail without stopping the others (a traceback
+is printed and the part's row says ``failed``):
+
+1. ``paper``: the FedRE paper configuration ``experiments/fedre/cifar10_pat_hete.toml`` (ten clients, one
+   of each HtM10 model: cnn4, MobileNetV2, GoogLeNet, ResNet-18/34/50/101/152, ViT-B/16, ViT-B/32; CIFAR-10
+   PAT, two classes a client, batch 32, lr 0.06, RAP entanglement) for ``--paper-rounds`` rounds on
+   ``--device auto``, capture on, then DIP inversion of two clients' entangled representations. CIFAR-10
+   is read from ``--cifar-root`` where a user has it; without it (a lent GPU machine reaches no network)
+   the script writes CIFAR-10-*shaped* synthetic data in CIFAR's own python-batch format (50,000 + 10,000
+   32x32 colour images: a smooth random template per class plus pixel noise, so the models have
+   something to learn) and the loader privfl ships reads it. Its seconds and memory are the paper
+   configuration's; its accuracies are not CIFAR-10's.
+2. ``demo``: the demo's FedRE (``python -m privfl.train fedre``: Fashion-MNIST, the cpu5 models) for
+   ``--demo-rounds`` rounds on the GPU, then on this machine's CPU (all its cores), and ``invert --compare
+   rep,proto,ent_rep`` on both (fewer targets than the demo: ``--samples``).
+3. Peak GPU memory of every part (torch's allocator: allocated and reserved) and of every round.
+
+Seconds per round are means over the rounds after the first (the first builds kernels and plans);
+``wall`` counts a round from the end of the previous one (evaluation, metrics and checkpoint writes in).
+
+    python experiments/gpu_check.py --out /tmp/gpu                      # on a machine with a CUDA GPU
+    python experiments/gpu_check.py --device cpu --subsample 600 --paper-rounds 1 --demo-rounds 2 --steps 20 --targets 1 \
+        --paper-clients 0 --no-cpu-baseline --out /tmp/gpu        # the script itself, quickly, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchlib import RoundClock  # noqa: E402
+
+PAPER_CONFIG = ROOT / "experiments" / "fedre" / "cifar10_pat_hete.toml"
+CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+PARTS = ("paper", "demo")
+
+
+def write_cifar10_shaped(folder: Path, train: int = 50_000, test: int = 10_000, seed: int = 0) -> Path:
+    """CIFAR-10-shaped synthetic data in CIFAR-10's python-batch format (``data_batch_1..5``, ``test_batch``,
+    ``batches.meta``) under ``folder/cifar-10-batches-py``; returns that folder. Each class is a smooth random
+    8x8 colour template upsampled to 32x32; an image is its class's template plus Gaussian pixel noise,
+    clipped to uint8. Labels are balanced and shuffled."""
+    rng = np.random.default_rng(seed)
+    templates = rng.normal(0.0, 45.0, size=(10, 3, 8, 8)).repeat(4, axis=2).repeat(4, axis=3)
+    out = folder / "cifar-10-batches-py"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def batch(n: int, name: str) -> dict[bytes, Any]:
+        labels = rng.permutation(np.arange(n) % 10)
+        pixels = 128.0 + templates[labels] + rng.normal(0.0, 40.0, size=(n, 3, 32, 32))
+        data = np.clip(np.rint(pixels), 0, 255).astype(np.uint8).reshape(n, 3 * 32 * 32)
+        return {b"batch_label": name.encode(), b"labels": labels.tolist(), b"data": data, b"filenames": [b"synthetic.png"] * n}
+
+    sizes = [train // 5 + (1 if i < train % 5 else 0) for i in range(5)]
+    for name, n in [*((f"data_batch_{i + 1}", s) for i, s in enumerate(sizes)), ("test_batch", test)]:
+        with open(out / name, "wb") as fh:
+            pickle.dump(batch(n, name), fh)
+    with open(out / "batches.meta", "wb") as fh:
+        pickle.dump({b"label_names": [n.encode() for n in CIFAR10_NAMES], b"num_cases_per_batch": sizes[0], b"num_vis": 3072}, fh)
+    return out
+
+
+class GpuRoundClock(RoundClock):
+    """Wall seconds of each round and the peak GPU memory allocated during it (the first round's peak
+    includes building the models)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.peak_allocated: list[int] = []
+        self.engine_seconds: list[float] = []
+
+    def on_round_end(self, rnd: int, entry: dict[str, Any]) -> None:
+        super().on_round_end(rnd, entry)
+        self.engine_seconds.append(float(entry["seconds"]))
+        if self.device.type == "cuda":
+            self.peak_allocated.append(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def mean_after_first(values: list[float]) -> float | None:
+    rest = values[1:] if len(values) > 1 else values
+    return statistics.fmean(rest) if rest else None
+
+
+def memory_of(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device), "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+
+
+def train(argv: list[str], device: torch.device) -> dict[str, Any]:
+    """privfl.train in this process; its per-round seconds, memory and accuracies."""
+    from privfl.train import main
+
+    clock = GpuRoundClock(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    code = main(argv, callbacks=[clock])
+    if code != 0:
+        raise RuntimeError(f"privfl.train exited {code}")
+    run = Path(argv[argv.index("--out-dir") + 1]) / argv[argv.index("--run-name") + 1]
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "run": str(run),
+        "total_seconds": round(time.perf_counter() - t0, 2),
+        "rounds": len(rows),
+        "engine_s_per_round": mean_after_first(clock.engine_seconds),
+        "wall_s_per_round": mean_after_first(clock.walls),
+        "engine_seconds": clock.engine_seconds,
+        "wall_seconds": [round(w, 3) for w in clock.walls],
+        "round_peak_allocated_bytes": clock.peak_allocated,
+        "acc": [r["acc"] for r in rows],
+        "acc_personal": [r.get("acc_personal") for r in rows],
+        "upload_bytes": rows[-1]["upload_bytes"],
+        "capture_bytes": summary["capture_bytes"],
+        "knowledge_bytes": summary["knowledge_bytes"],
+    }
+
+
+def invert(argv: list[str], run: str, device: torch.device) -> dict[str, Any]:
+    """privfl.attack invert in this process; its seconds per target, PSNR per kind and memory."""
+    from privfl.attack import main
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    name = f"gpu-check-{device.type}"
+    code = main(["invert", "--run", run, "--name", name, "--no-progress", "--device", str(device), *argv])
+    if code != 0:
+        raise RuntimeError(f"privfl.attack exited {code}")
+    summary = json.loads((Path(run) / "attacks" / name / "metrics.json").read_text())["summary"]
+    # --compare: "<kind>_sample_psnr" per kind; one artifact: "best_psnr" (best-matching image of an aggregate)
+    psnr = {k[: -len("_sample_psnr")]: v for k, v in summary.items() if k.endswith("_sample_psnr")}
+    psnr.update({k[: -len("_psnr")]: v for k, v in summary.items() if k in ("sample_psnr", "best_psnr", "mean_psnr")})
+    psnr = {k: None if v is None else round(v, 2) for k, v in psnr.items()}
+    return {"targets": summary["targets"], "seconds_per_target": summary["seconds_per_target"], "psnr": psnr, **memory_of(device)}
+
+
+def part_paper(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    root = args.cifar_root
+    synthetic = root is None
+    if synthetic:
+        t0 = time.perf_counter()
+        root = args.work / "cifar10-shaped"
+        write_cifar10_shaped(root, seed=args.seed)
+        print(f"wrote CIFAR-10-shaped synthetic data under {root} in {time.perf_counter() - t0:.1f} s", flush=True)
+    argv = [
+        "fedre",
+        *("--config", str(PAPER_CONFIG), "--data-root", str(root), "--rounds", str(args.paper_rounds)),
+        *("--device", str(device), "--seed", str(args.seed), "--out-dir", str(args.work / "runs"), "--run-name", f"paper-{device.type}"),
+        *(() if args.progress else ("--no-progress",)),
+        *(("--subsample", str(args.subsample)) if args.subsample else ()),
+    ]
+    result: dict[str, Any] = {"data": "CIFAR-10-shaped synthetic" if synthetic else f"CIFAR-10 from {root}", "train": train(argv, device)}
+    result["train"].update(memory_of(device))
+    steps = ["--steps", str(args.steps)] if args.steps else []
+    shutil.copy(Path(result["train"]["run"]) / "metrics.jsonl", args.out / "paper_metrics.jsonl")  # per client, per round
+    result["invert"] = invert(
+        ["--artifact", "ent_rep", "--clients", args.paper_clients, "--max-targets", str(args.targets), *steps], result["train"]["run"], device
+    )
+    return result
+
+
+def part_demo(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    sides: dict[str, Any] = {}
+    devices = [device] if device.type == "cpu" or args.no_cpu_baseline else [device, torch.device("cpu")]
+    for dev in devices:
+        argv = [
+            "fedre",
+            *("--rounds", str(args.demo_rounds), "--device", str(dev), "--seed", str(args.seed)),
+            *("--out-dir", str(args.work / "runs"), "--run-name", f"demo-{dev.type}"),
+            *(() if args.progress else ("--no-progress",)),
+            *(("--subsample", str(args.subsample)) if args.subsample else ()),
+        ]
+        side = {"train": train(argv, dev)}
+        side["train"].update(memory_of(dev))
+        steps = ["--steps", str(args.steps)] if args.steps else []
+        side["invert"] = invert(["--compare", "rep,proto,ent_rep", "--samples", str(args.targets), *steps], side["train"]["run"], dev)
+        sides[dev.type] = side
+    return {"sides": sides}
+
+
+def guarded(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        out["part_seconds"] = round(time.perf_counter() - t0, 1)
+        return out
+    except Exception:  # a part's failure is reported and the next part still runs
+        traceback.print_exc()
+        return {"failed": traceback.format_exc(limit=-8), "part_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"# gpu_check: {results['device_name']} (torch {results['torch']}, {results['threads']} CPU threads)", ""]
+    lines.append(
+        "| job | device | rounds | s/round engine | s/round wall | peak alloc GiB | peak reserved GiB | final acc | invert s/target | PSNR dB |"
+    )
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def row(job: str, dev: str, side: dict[str, Any]) -> None:
+        if "failed" in side:
+            lines.append(f"| {job} | {dev} | failed: {side['failed'].strip().splitlines()[-1]} |")
+            return
+        t, inv = side["train"], side.get("invert", {})
+        peak = max(t.get("peak_allocated_bytes", 0), inv.get("peak_allocated_bytes", 0)) or None
+        reserved = max(t.get("peak_reserved_bytes", 0), inv.get("peak_reserved_bytes", 0)) or None
+        psnr = ", ".join(f"{k} {v}" for k, v in inv.get("psnr", {}).items())
+        lines.append(
+            f"| {job} | {dev} | {t['rounds']} | {t['engine_s_per_round']:.2f} | {t['wall_s_per_round']:.2f} | {gib(peak)} | {gib(reserved)} "
+            f"| {t['acc'][-1]:.4f} | {inv.get('seconds_per_target', float('nan')):.2f} | {psnr} |"
+        )
+
+    if "paper" in results:
+        row(f"FedRE paper HtM10 ({results['paper'].get('data', '?')})", results["device"], results["paper"])
+    if "demo" in results:
+        demo = results["demo"]
+        if "failed" in demo:
+            row("FedRE demo (Fashion-MNIST, cpu5)", results["device"], demo)
+        else:
+            for dev, side in demo["sides"].items():
+                row("FedRE demo (Fashion-MNIST, cpu5)", dev, side)
+            if len(demo["sides"]) == 2:
+                gpu, cpu = demo["sides"][results["device_type"]], demo["sides"]["cpu"]
+                lines.append("")
+                train_ratio = gpu["train"]["wall_s_per_round"] / cpu["train"]["wall_s_per_round"]
+                invert_ratio = gpu["invert"]["seconds_per_target"] / cpu["invert"]["seconds_per_target"]
+                lines.append(f"GPU / CPU here: training {train_ratio:.2f}x the CPU's wall per round, inversion {invert_ratio:.2f}x its s/target")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.md (and the runs, unless --work)")
+    p.add_argument("--work", type=Path, default=None, help="where the runs and the synthetic data go (default: OUT/work)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    p.add_argument("--cifar-root", type=Path, default=None, help="real CIFAR-10 (cifar-10-batches-py) for the paper part")
+    p.add_argument("--paper-rounds", type=int, default=3)
+    p.add_argument("--paper-clients", default="0,3", help="clients whose entangled representations are inverted (0 cnn4, 3 resnet18)")
+    p.add_argument("--demo-rounds", type=int, default=3)
+    p.add_argument("--no-cpu-baseline", action="store_true", help="demo on the GPU only")
+    p.add_argument("--targets", type=int, default=4, help="inversion targets per client (demo: images compared)")
+    p.add_argument("--steps", type=int, default=None, help="DIP steps (default: privfl's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--subsample", type=int, default=None, help="train on N samples of each dataset (a quick check of the script itself)")
+    p.add_argument("--progress", action="store_true")
+    args = p.parse_args(argv)
+    parts = [s.strip() for s in args.parts.split(",") if s.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    from privfl.engine import resolve_device
+
+    device = resolve_device(args.device)
+    args.work = args.work or args.out / "work"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "device": str(device),
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if "paper" in parts:
+        results["paper"] = guarded("paper", lambda: part_paper(args, device))
+    if "demo" in parts:
+        results["demo"] = guarded("demo", lambda: part_demo(args, device))
+    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report(results)
+    (args.out / "gpu_check.md").write_text(text + "\n")
+    print(text)
+    failed = [k for k in PARTS if isinstance(results.get(k), dict) and "failed" in results[k]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
