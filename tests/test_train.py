@@ -144,7 +144,9 @@ def test_fedavg_averages_by_sample_count(tmp_path):
 
 
 def test_killed_run_resumes_to_identical_metrics_and_capture(assert_resumes_exactly):
-    assert_resumes_exactly(["fedre", *QUICK, "--rounds", "3"], kill_round=1, kill_after=7, real_kill=True)
+    # on the CPU, where privfl promises the same numbers: three processes on a GPU pick their kernels each
+    # (the in-process resume checks run deterministic kernels there, tests/conftest.py)
+    assert_resumes_exactly(["fedre", *QUICK, "--rounds", "3", "--device", "cpu"], kill_round=1, kill_after=7, real_kill=True)
 
 
 @needs_fmnist
@@ -394,6 +396,31 @@ def test_drop_last_and_fixed_order_batches():
     assert [y.tolist() for _, y in view.batches(idx, 3)] == [[5, 1, 3], [6, 0, 2], [4]]
     assert [y.tolist() for _, y in view.batches(idx, 3, drop_last=True)] == [[5, 1, 3], [6, 0, 2]]
     assert list(view.batches(idx[:2], 3, drop_last=True)) == []  # a client smaller than a batch trains nothing
+
+
+def test_an_epochs_last_single_sample_is_skipped_for_batchnorm_models_only():
+    from privfl.methods.base import DataView
+    from privfl.methods.trainer import batches_per_epoch, min_train_batch
+
+    view = DataView(torch.zeros(7, 1, 2, 2, dtype=torch.uint8), torch.arange(7), (0.0,), (1.0,), torch.device("cpu"))
+    idx = torch.arange(7)
+    assert [y.tolist() for _, y in view.batches(idx, 3, min_batch=2)] == [[0, 1, 2], [3, 4, 5]]  # 7 = 2 x 3 + 1
+    assert [y.tolist() for _, y in view.batches(idx[:5], 3, min_batch=2)] == [[0, 1, 2], [3, 4]]  # a last batch of 2 stays
+    assert [y.tolist() for _, y in view.batches(idx, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert (batches_per_epoch(7, 3), batches_per_epoch(7, 3, min_batch=2), batches_per_epoch(7, 3, drop_last=True)) == (3, 2, 2)
+    assert (batches_per_epoch(1, 32, min_batch=2), batches_per_epoch(1, 32), batches_per_epoch(64, 32, min_batch=2)) == (0, 1, 2)
+    assert min_train_batch(build_model("resnet-tiny", in_channels=1, num_classes=10, image_size=28)) == 2
+    assert min_train_batch(build_model("cnn4", in_channels=1, num_classes=10, image_size=28)) == 1
+
+
+@needs_fmnist
+def test_a_batchnorm_client_one_sample_past_its_full_batches_trains(tmp_path):
+    """ResNet-18 reaches a 1x1 map on 28 px, where BatchNorm refuses a batch of one ("Expected more than 1
+    value per channel"): 60 training samples in batches of 59 crashed the run before the last sample was skipped."""
+    run = train(tmp_path, "local", "--subsample", "80", "--num-clients", "1", "--partition", "iid", "--model-group", "homo-resnet18",
+                "--batch-size", "59", "--rounds", "1", "--no-progress")  # fmt: skip
+    assert json.loads((run / "partition.json").read_text())["train_sizes"] == [60]
+    assert len(metrics(run)) == 1
 
 
 @needs_fmnist
