@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from attacks.base import Attack, AttackNotApplicable, Queries, Reconstruction, Selection, Target, create_attack
 from attacks.scoring import Scored, scorer_for
+from privfl.capture.store import portable_tensors
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS
 from privfl.run import GroundTruth, Run
@@ -298,7 +299,7 @@ def _write_result(
             per_image_labels=scored.labels,
         )
     if reconstructions:
-        save_file({k: v.contiguous() for k, v in reconstructions.items()}, str(folder / "reconstructions.safetensors"))
+        save_file(portable_tensors(reconstructions), str(folder / "reconstructions.safetensors"))
     write_metrics(folder, scored.rows, scored.summary, protocol)
     section = {"heading": heading, "protocol": protocol, "images": picture, "summary": scored.summary}
     if text:

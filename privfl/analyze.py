@@ -163,7 +163,9 @@ def _csv_bytes(rows: list[dict[str, Any]]) -> bytes:
 def _tensors_bytes(tensors: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
-    return save({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()})  # clone: no shared storage
+    from privfl.capture.store import portable_tensors
+
+    return save(portable_tensors(tensors))
 
 
 def _progress(args, desc: str):

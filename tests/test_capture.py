@@ -152,3 +152,21 @@ def test_broadcast_serialises_each_content_once_and_captures_exactly_what_left(t
     assert len(saves) == 6 and all(torch.equal(m.tensors["weight"], frozen["weight"]) for m in out.values())
     with pytest.raises(ValueError, match="not stored by this store"):
         cap.append({"round": 1, "sender": "server", "receiver": "client0", "kind": "head"}, tensors, stored=("0" * 64, 10))
+
+
+def test_portable_tensors_are_unshared_cpu_copies_that_safetensors_writes():
+    """Overlapping views of one tensor (as an attack's reconstructions came off a GPU: one image under two
+    targets' names) make safetensors refuse the file; ``portable_tensors`` gives each its own contiguous
+    CPU copy, in key order."""
+    from safetensors.torch import load, save
+
+    from privfl.capture.store import portable_tensors
+
+    batch = torch.arange(24.0).view(3, 2, 4)
+    rows = {"r2": batch[2], "r0": batch[0], "r1": batch[1], "r1_again": batch[1:2].squeeze(0)}
+    with pytest.raises(RuntimeError, match="share memory"):
+        save(rows)
+    portable = portable_tensors(rows)
+    assert list(portable) == ["r0", "r1", "r1_again", "r2"]
+    assert len({t.untyped_storage().data_ptr() for t in portable.values()}) == 4
+    assert all(torch.equal(v, batch[int(k[1])]) for k, v in load(save(portable)).items())

@@ -168,8 +168,9 @@ def tensor_summary(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in tensors.items()}
 
 
-def _portable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors needs contiguous CPU tensors that share no storage
+def portable_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies that share no storage, in key order: what safetensors writes. Rows of one
+    batch moved off a GPU are views of one CPU tensor, which safetensors refuses ("Some tensors share memory")."""
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(tensors.items())}
 
 
@@ -276,7 +277,7 @@ class TensorStore:
         this store returned them (a broadcast's next receiver, :meth:`privfl.channel.Channel.broadcast`):
         the record names that blob without serialising and hashing the tensors again."""
         if stored is None:
-            data = st_save(_portable(tensors))
+            data = st_save(portable_tensors(tensors))
             digest, size = hashlib.sha256(data).hexdigest(), len(data)
             path = self.blob_path(digest)
             if not path.exists():
