@@ -23,6 +23,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+
+def _deterministic_gpu() -> None:
+    """On a machine with a CUDA GPU (CI has none): deterministic kernels and no TF32, so that the tests
+    comparing two runs bit for bit (resume, workers, a method reduced to another) compare the same
+    arithmetic. A plain privfl run on a GPU is not bit-reproducible (cuDNN picks kernels per call, TF32
+    matmuls); privfl promises identical numbers on the CPU. ``warn_only``: an operation without a
+    deterministic CUDA kernel warns (and names itself) instead of failing the test."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # inherited by the subprocesses tests start
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+_deterministic_gpu()
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 

@@ -26,7 +26,9 @@ from privfl.seeding import seed_global
 from tests.conftest import read_metrics
 from tests.test_train import cli_error, needs_fmnist, train
 
+# on the CPU: worker threads are a CPU feature (a GPU trains one client at a time, parallel.resolve_client_workers)
 TINY = ["--subsample", "240", "--partition", "iid", "--num-clients", "3", "--batch-size", "32", "--no-progress", "--model-group", "homo-cnn4"]
+TINY += ["--device", "cpu"]
 #: methods whose declaration these tests hold to (the speed issue's parity methods among them)
 PARALLEL = sorted(name for name in METHODS.names() if METHODS.get(name).clients_in_parallel())
 

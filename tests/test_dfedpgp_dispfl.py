@@ -71,12 +71,17 @@ class Spy:
     def wrap(self, original: Callable[..., Any], snapshot: Callable[[Any, Any], dict[str, Any]]) -> Callable[..., Any]:
         def spied(method: Any, rnd: int, client: Any) -> Any:
             self.method = method
-            self.before[(rnd, client.index)] = snapshot(method, client)
+            self.before[(rnd, client.index)] = on_cpu(snapshot(method, client))
             out = original(method, rnd, client)
-            self.after[(rnd, client.index)] = snapshot(method, client)
+            self.after[(rnd, client.index)] = on_cpu(snapshot(method, client))
             return out
 
         return spied
+
+
+def on_cpu(snapshot: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """CPU copies, comparable with the capture's tensors when the run trains on a GPU."""
+    return {part: {k: v.detach().cpu().clone() for k, v in tensors.items()} for part, tensors in snapshot.items()}
 
 
 def pgp_snapshot(method: DFedPGP, client: Any) -> dict[str, Any]:
@@ -316,7 +321,7 @@ def test_dispfl_random_graph_with_a_down_node(runs):
         assert edges_of(recs, rnd) == graph.edges(rnd)
     assert not [r for r in recs if r["round"] == 1 and "client1" in (r["sender"], r["receiver"])]
     assert (1, 1) not in spy.before and sorted(i for r, i in spy.before if r == 1) == [0, 2, 3, 4]
-    assert torch.equal(spy.after[(0, 1)]["params"]["head.weight"], spy.method.env.clients[1].model.head.weight.detach())  # untouched since
+    assert torch.equal(spy.after[(0, 1)]["params"]["head.weight"], spy.method.env.clients[1].model.head.weight.detach().cpu())  # untouched since
 
 
 # ------------------------------------------------------------------------------------------ resume

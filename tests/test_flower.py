@@ -65,6 +65,7 @@ def test_records_round_trip_exactly() -> None:
 
 
 def test_engine_refusals_are_one_line_and_create_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("flwr")  # the first refusals come after the check that Flower is installed
     out = tmp_path / "runs"
     common = [*TINY, "--engine", "flower", "--out-dir", str(out)]
     (tmp_path / "own_round_method.py").write_text(
