@@ -1,0 +1,44 @@
+"""experiments/gpu_check.py off the GPU: its CIFAR-10-shaped data is what privfl's CIFAR-10 loader reads,
+and the script runs its parts (and reports a failed one) on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.gpu_check import main, write_cifar10_shaped
+from privfl.data import load_dataset
+from tests.conftest import FMNIST
+
+
+def test_cifar10_shaped_data_is_read_by_the_cifar10_loader_and_has_classes_to_learn(tmp_path: Path) -> None:
+    write_cifar10_shaped(tmp_path, train=103, test=20, seed=1)
+    ds = load_dataset("cifar10", tmp_path)
+    assert len(ds) == 123 and tuple(ds.images.shape[1:]) == (3, 32, 32) and ds.images.dtype == torch.uint8
+    assert ds.class_names[0] == "airplane" and ds.num_classes == 10
+    train_labels = ds.labels[:103]
+    per_batch = torch.stack([torch.bincount(torch.arange(n) % 10, minlength=10) for n in (21, 21, 21, 20, 20)]).sum(0)  # five batches
+    assert torch.equal(torch.bincount(train_labels, minlength=10), per_batch)  # each batch balanced
+    # a template per class: nearest class mean (from the train part) labels the test part almost perfectly
+    x = ds.images.float().flatten(1)
+    means = torch.stack([x[:103][train_labels == c].mean(0) for c in range(10)])
+    predicted = torch.cdist(x[103:], means).argmin(1)
+    assert (predicted == ds.labels[103:]).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
+def test_the_script_runs_its_demo_part_on_the_cpu_and_reports_a_failed_part(tmp_path: Path) -> None:
+    common = ["--device", "cpu", "--subsample", "300", "--steps", "5", "--targets", "1", "--no-cpu-baseline", "--out", str(tmp_path)]
+    assert main([*common, "--parts", "demo", "--demo-rounds", "2"]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    side = result["demo"]["sides"]["cpu"]
+    assert side["train"]["rounds"] == 2 and len(side["train"]["wall_seconds"]) == 2
+    assert set(side["invert"]["psnr"]) == {"rep", "proto", "ent_rep"} and side["invert"]["targets"] >= 1
+    assert "| FedRE demo (Fashion-MNIST, cpu5) | cpu | 2 |" in (tmp_path / "gpu_check.md").read_text()
+    # no CIFAR-10 where --cifar-root points: the part fails, the script says so and exits 1
+    assert main([*common, "--parts", "paper", "--cifar-root", str(tmp_path / "none"), "--paper-rounds", "1"]) == 1
+    assert "failed" in json.loads((tmp_path / "gpu_check.json").read_text())["paper"]
