@@ -97,6 +97,12 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "weight decay", min=0)
     shuffle: bool = opt(True, "reshuffle each client's batches every epoch (--no-shuffle: fixed order, as HtFLlib's loaders)")
     drop_last: bool = opt(False, "drop each epoch's last partial batch (HtFLlib does; a client smaller than a batch then trains nothing)")
+    batchnorm_min_batch: int = opt(
+        2,
+        "smallest last batch of an epoch that a model with BatchNorm trains on (BatchNorm cannot normalise one sample "
+        "where its map is 1x1: ResNets on 32x32 crashed); 1 keeps every batch, as runs made before 2026-11-27",
+        min=1,
+    )
     same_init: bool = opt(False, "clients with the same architecture start from one initialisation (parity runs with HtFLlib/PFLlib)")
     eval: str = opt(
         "both",
@@ -395,8 +401,9 @@ def config_toml_data(data: dict[str, Any]) -> dict[str, Any]:
 
 #: options added after runs were saved, with the value a run saved before then used: a resumed or
 #: reopened old run keeps computing as it did (``memory_format``: NCHW until 2026-11-26; ``client_workers``: one
-#: client at a time before 2026-11-26, the thread count its clients computed with)
-SAVED_RUN_DEFAULTS: dict[str, Any] = {"memory_format": "contiguous", "client_workers": 1}
+#: client at a time before 2026-11-26, the thread count its clients computed with; ``batchnorm_min_batch``: every
+#: last batch trained on before 2026-11-27)
+SAVED_RUN_DEFAULTS: dict[str, Any] = {"memory_format": "contiguous", "client_workers": 1, "batchnorm_min_batch": 1}
 
 
 def saved_run_values(config: Mapping[str, Any]) -> dict[str, Any]:

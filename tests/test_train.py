@@ -399,6 +399,7 @@ def test_drop_last_and_fixed_order_batches():
 
 
 def test_an_epochs_last_single_sample_is_skipped_for_batchnorm_models_only():
+    from privfl.config import build_config, saved_run_values
     from privfl.methods.base import DataView
     from privfl.methods.trainer import batches_per_epoch, min_train_batch
 
@@ -409,8 +410,11 @@ def test_an_epochs_last_single_sample_is_skipped_for_batchnorm_models_only():
     assert [y.tolist() for _, y in view.batches(idx, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
     assert (batches_per_epoch(7, 3), batches_per_epoch(7, 3, min_batch=2), batches_per_epoch(7, 3, drop_last=True)) == (3, 2, 2)
     assert (batches_per_epoch(1, 32, min_batch=2), batches_per_epoch(1, 32), batches_per_epoch(64, 32, min_batch=2)) == (0, 1, 2)
-    assert min_train_batch(build_model("resnet-tiny", in_channels=1, num_classes=10, image_size=28)) == 2
-    assert min_train_batch(build_model("cnn4", in_channels=1, num_classes=10, image_size=28)) == 1
+    resnet, cnn4 = (build_model(a, in_channels=1, num_classes=10, image_size=28) for a in ("resnet-tiny", "cnn4"))
+    cfg = build_config({}, None)
+    assert (min_train_batch(resnet, cfg), min_train_batch(cnn4, cfg)) == (2, 1)
+    old_run = build_config(saved_run_values({"method": "fedre"}), None)  # saved before the option: every batch, as then
+    assert (min_train_batch(resnet, old_run), min_train_batch(cnn4, old_run)) == (1, 1)
 
 
 @needs_fmnist
@@ -421,6 +425,9 @@ def test_a_batchnorm_client_one_sample_past_its_full_batches_trains(tmp_path):
                 "--batch-size", "59", "--rounds", "1", "--no-progress")  # fmt: skip
     assert json.loads((run / "partition.json").read_text())["train_sizes"] == [60]
     assert len(metrics(run)) == 1
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):  # as before, if asked for
+        train(tmp_path, "local", "--subsample", "80", "--num-clients", "1", "--partition", "iid", "--model-group", "homo-resnet18",
+              "--batch-size", "59", "--rounds", "1", "--no-progress", "--batchnorm-min-batch", "1", name="every-batch")  # fmt: skip
 
 
 @needs_fmnist

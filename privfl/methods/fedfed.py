@@ -453,7 +453,7 @@ class FedFed(FLMethod):
         o = self.opts
         a_rec, a_ce, a_kl, a_x = self.loss_weights(client)
         n, b = len(client.train_idx), self.cfg.batch_size
-        per_epoch = max(1, batches_per_epoch(n, b, self.cfg.drop_last, min_train_batch(client.model)))
+        per_epoch = max(1, batches_per_epoch(n, b, self.cfg.drop_last, min_train_batch(client.model, self.cfg)))
         step = [0]
 
         def objective(model: FedFedModel, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

@@ -194,7 +194,7 @@ class FedRep(FLMethod):
         """Client side: head then body training, the body up."""
         metrics = self.train_client(rnd, client)
         n = len(client.train_idx)
-        steps = self.body_epochs * batches_per_epoch(n, self.cfg.batch_size, self.cfg.drop_last, min_train_batch(client.model))
+        steps = self.body_epochs * batches_per_epoch(n, self.cfg.batch_size, self.cfg.drop_last, min_train_batch(client.model, self.cfg))
         meta = {"arch": client.arch, "num_samples": n, "local_steps": steps}
         msg = Message(rnd, client.name, "server", "model", body_state(client.model), meta)
         return ClientReply([(msg, {"indices": client.train_idx.cpu()})], metrics)

@@ -71,20 +71,21 @@ def with_representation_term(extra: Callable[[torch.Tensor, torch.Tensor, torch.
 
 def batches_per_epoch(n: int, batch_size: int, drop_last: bool = False, min_batch: int = 1) -> int:
     """How many batches :meth:`DataView.batches` yields over ``n`` samples: every full batch, and the last
-    partial one unless ``drop_last`` or it holds fewer than ``min_batch`` samples. Training passes
-    ``min_batch=2`` for a model with BatchNorm in training mode (:func:`min_train_batch`)."""
+    partial one unless ``drop_last`` or it holds fewer than ``min_batch`` samples (:func:`min_train_batch`)."""
     full, rest = divmod(n, batch_size)
     return full + (1 if rest and not drop_last and rest >= min_batch else 0)
 
 
-def min_train_batch(model: nn.Module) -> int:
-    """2 for a model with a BatchNorm layer (it trains in training mode), else 1. Why: BatchNorm cannot normalise a
-    batch of one sample wherever its feature map is 1x1 (torch raises "Expected more than 1 value per
-    channel"; ResNets and MobileNetV2 reach 1x1 on 32x32 inputs), and over one sample its batch statistics
-    are that sample's own anyway. So an epoch's last batch of a single sample is skipped for such models,
-    as HtFLlib skips every partial last batch (``drop_last=True``); it would otherwise crash a paper-scale
-    run whenever a client's train split is one more than a multiple of the batch size."""
-    return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+def min_train_batch(model: nn.Module, cfg: Any) -> int:
+    """The smallest last batch ``model`` trains on: ``--batchnorm-min-batch`` (default 2) for a model with
+    BatchNorm layers, else 1. Why: BatchNorm cannot normalise a batch of one sample wherever its feature map
+    is 1x1 (torch raises "Expected more than 1 value per channel"; ResNets and MobileNetV2 reach 1x1 on 32x32
+    inputs), and over one sample its batch statistics are that sample's own anyway. So by default an epoch's
+    last batch of a single sample is skipped for such models, as HtFLlib skips every partial last batch
+    (``drop_last=True``); it crashed a paper-scale run (HtM10) whenever a client's train split was one more
+    than a multiple of the batch size. Runs saved before the option train on every batch (``SAVED_RUN_DEFAULTS``)."""
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return int(getattr(cfg, "batchnorm_min_batch", 2)) if has_batchnorm else 1
 
 
 class LocalTrainer:
@@ -131,7 +132,7 @@ class LocalTrainer:
             objective = objective or cross_entropy
             total, steps = 0.0, 0
             parts: dict[str, float] = {}
-            min_batch = min_train_batch(model)
+            min_batch = min_train_batch(model, self.cfg)
             for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
                 gen = torch_generator(self.cfg.seed, "shuffle", rnd, client.index, epoch) if self.shuffle else None
                 for x, y in self.data.batches(client.train_idx, self.cfg.batch_size, gen, drop_last=self.drop_last, min_batch=min_batch):
