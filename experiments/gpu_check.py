@@ -209,6 +209,7 @@ def guarded(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return out
     except Exception:  # a part's failure is reported and the next part still runs
         traceback.print_exc()
+        print(f"gpu_check: part {name} failed (above); going on", flush=True)
         return {"failed": traceback.format_exc(limit=-8), "part_seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -276,9 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     from privfl.engine import resolve_device
+    from privfl.errors import ConfigError
 
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as exc:
+        p.error(str(exc))
+    if device.type == "cpu" and "paper" in parts and not args.subsample:
+        p.error("the paper part (HtM10 on 60,000 images) takes hours on a CPU: run it where a GPU is, or pass --subsample")
     args.work = args.work or args.out / "work"
+    if args.work.exists() and any(args.work.iterdir()):
+        p.error(f"{args.work} holds an earlier check's runs: give another --out or --work")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "device": str(device),

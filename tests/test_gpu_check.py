@@ -40,5 +40,13 @@ def test_the_script_runs_its_demo_part_on_the_cpu_and_reports_a_failed_part(tmp_
     assert set(side["invert"]["psnr"]) == {"rep", "proto", "ent_rep"} and side["invert"]["targets"] >= 1
     assert "| FedRE demo (Fashion-MNIST, cpu5) | cpu | 2 |" in (tmp_path / "gpu_check.md").read_text()
     # no CIFAR-10 where --cifar-root points: the part fails, the script says so and exits 1
-    assert main([*common, "--parts", "paper", "--cifar-root", str(tmp_path / "none"), "--paper-rounds", "1"]) == 1
+    paper = [*common, "--parts", "paper", "--cifar-root", str(tmp_path / "none"), "--paper-rounds", "1"]
+    assert main([*paper, "--work", str(tmp_path / "work2")]) == 1
     assert "failed" in json.loads((tmp_path / "gpu_check.json").read_text())["paper"]
+    # refused before anything runs (argparse: exit 2): the runs of an earlier check, a CPU without --subsample
+    with pytest.raises(SystemExit) as refused:
+        main(paper)
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit) as refused:
+        main(["--device", "cpu", "--parts", "paper", "--out", str(tmp_path / "other")])
+    assert refused.value.code == 2 and not (tmp_path / "other").exists()
