@@ -481,6 +481,8 @@ class Trainer:
                 "seconds": round(time.perf_counter() - t0, 3),
             }
             self.history.append(entry)
+            for key in nonfinite_metrics([entry]).keys() - nonfinite_metrics(self.history[:-1]).keys():
+                bar.write(f"privfl: round {rnd}: {key} is {entry[key]} (training diverged; summary.json 'nonfinite')", file=sys.stderr)
             self.write_metrics()
             self.save_checkpoint(rnd)
             for cb in self.callbacks:
@@ -504,6 +506,7 @@ class Trainer:
             "rounds": rounds,
             "eval": self.cfg.eval,
             **summary_accuracies(self.history),
+            "nonfinite": nonfinite_metrics(self.history),
             "per_round": {k: sum(h.get(k, 0) for h in self.history) / rounds for k in COMM_COLUMNS},
             "last_round_comm": final["comm"],
             "train_seconds": round(sum(h["seconds"] for h in self.history), 2),
@@ -669,6 +672,17 @@ def summary_accuracies(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if history and key in history[-1]:
             out[f"final_{key}"] = history[-1][key]
     return out
+
+
+def nonfinite_metrics(history: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """{metric: first round it was NaN or infinite} over the rounds' scalar metrics (a loss that diverged).
+    Why: a run whose training diverged still ends and scores its models; this says where it went wrong."""
+    first: dict[str, int] = {}
+    for h in history:
+        for key, value in h.items():
+            if isinstance(value, float) and not np.isfinite(value) and key not in first:
+                first[key] = h["round"]
+    return first
 
 
 def metrics_csv_text(history: Sequence[dict[str, Any]]) -> str:

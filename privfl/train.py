@@ -261,6 +261,9 @@ def print_summary(s: dict) -> None:
         if eps:
             text += f"; epsilon max {max(eps.values()):.3g} (delta {rep['delta']:g}, {rep['accountant']})"
         table.add_row(f"defense {spec}", text)
+    if s.get("nonfinite"):
+        first = ", ".join(f"{k} from round {r}" for k, r in s["nonfinite"].items())
+        table.add_row("[bold red]non-finite (training diverged)[/]", first)
     table.add_row("capture on disk", _fmt_bytes(s["capture_bytes"]))
     table.add_row("run directory (also runs/latest)", s["run_dir"])
     Console().print(table)

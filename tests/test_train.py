@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -477,3 +478,18 @@ def test_fedproto_training_prototypes_are_the_steps_representations(tmp_path):
         assert name != "drop" or (missing > 0 and moved_by_drop > 0)  # both cases occur in this partition
     moved = uploads("moved", "--prototypes", "training")
     assert not torch.allclose(moved[0]["protos"], uploads("moved-pass")[0]["protos"], atol=1e-3)
+
+
+@needs_fmnist
+def test_a_diverged_training_is_reported_where_and_when(tmp_path, capsys):
+    """lr 1e6 sends the loss to NaN within three rounds: the run still ends and scores, one line on stderr
+    says which metric went non-finite in which round, summary.json keeps it, the summary table shows it."""
+    run = train(tmp_path, "local", *QUICK, "--rounds", "3", "--lr", "1e6", "--model-group", "homo-cnn4")
+    losses = [h["train_loss"] for h in metrics(run)]
+    first = next(r for r, loss in enumerate(losses) if not math.isfinite(loss))
+    assert json.loads((run / "summary.json").read_text())["nonfinite"] == {"train_loss": first}
+    out = capsys.readouterr()
+    assert out.err.count("train_loss is") == 1 and f"privfl: round {first}: train_loss is" in out.err  # once, when it starts
+    assert "non-finite (training diverged)" in out.out and f"train_loss from round {first}" in out.out
+    healthy = train(tmp_path, "local", *QUICK, "--model-group", "homo-cnn4", name="healthy")
+    assert json.loads((healthy / "summary.json").read_text())["nonfinite"] == {}
