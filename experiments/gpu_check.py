@@ -136,6 +136,7 @@ def train(argv: list[str], device: torch.device) -> dict[str, Any]:
         "upload_bytes": rows[-1]["upload_bytes"],
         "capture_bytes": summary["capture_bytes"],
         "knowledge_bytes": summary["knowledge_bytes"],
+        "nonfinite": summary.get("nonfinite", {}),  # a loss that went NaN/inf, and from which round
     }
 
 
@@ -223,6 +224,7 @@ def report(results: dict[str, Any]) -> str:
         "| job | device | rounds | s/round engine | s/round wall | peak alloc GiB | peak reserved GiB | final acc | invert s/target | PSNR dB |"
     )
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    diverged: list[str] = []
 
     def row(job: str, dev: str, side: dict[str, Any]) -> None:
         if "failed" in side:
@@ -236,6 +238,8 @@ def report(results: dict[str, Any]) -> str:
             f"| {job} | {dev} | {t['rounds']} | {t['engine_s_per_round']:.2f} | {t['wall_s_per_round']:.2f} | {gib(peak)} | {gib(reserved)} "
             f"| {t['acc'][-1]:.4f} | {inv.get('seconds_per_target', float('nan')):.2f} | {psnr} |"
         )
+        if t.get("nonfinite"):
+            diverged.append(f"{job} on {dev}: " + ", ".join(f"{k} non-finite from round {r}" for k, r in t["nonfinite"].items()))
 
     if "paper" in results:
         row(f"FedRE paper HtM10 ({results['paper'].get('data', '?')})", results["device"], results["paper"])
@@ -252,6 +256,8 @@ def report(results: dict[str, Any]) -> str:
                 train_ratio = gpu["train"]["wall_s_per_round"] / cpu["train"]["wall_s_per_round"]
                 invert_ratio = gpu["invert"]["seconds_per_target"] / cpu["invert"]["seconds_per_target"]
                 lines.append(f"GPU / CPU here: training {train_ratio:.2f}x the CPU's wall per round, inversion {invert_ratio:.2f}x its s/target")
+    if diverged:
+        lines += ["", *diverged]
     return "\n".join(lines)
 
 

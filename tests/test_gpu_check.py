@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.gpu_check import main, write_cifar10_shaped
+from experiments.gpu_check import main, report, write_cifar10_shaped
 from privfl.data import load_dataset
 from tests.conftest import FMNIST
 
@@ -50,3 +50,17 @@ def test_the_script_runs_its_demo_part_on_the_cpu_and_reports_a_failed_part(tmp_
     with pytest.raises(SystemExit) as refused:
         main(["--device", "cpu", "--parts", "paper", "--out", str(tmp_path / "other")])
     assert refused.value.code == 2 and not (tmp_path / "other").exists()
+
+
+def test_the_report_shows_each_job_a_failed_part_and_a_diverged_training() -> None:
+    train = {"rounds": 3, "engine_s_per_round": 34.1, "wall_s_per_round": 36.9, "acc": [0.9, 0.1, 0.2]}
+    paper = {
+        "data": "CIFAR-10-shaped synthetic",
+        "train": {**train, "peak_allocated_bytes": 2**31, "peak_reserved_bytes": 2**32, "nonfinite": {"server_loss": 1}},
+        "invert": {"seconds_per_target": 10.7, "psnr": {"best": 9.3, "mean": 9.0}},
+    }
+    results = {"device": "cuda", "device_type": "cuda", "device_name": "GPU", "torch": "2", "threads": 16, "paper": paper}
+    text = report({**results, "demo": {"failed": "Traceback ...\nRuntimeError: broke\n"}})
+    assert "| FedRE paper HtM10 (CIFAR-10-shaped synthetic) | cuda | 3 | 34.10 | 36.90 | 2.00 | 4.00 | 0.2000 | 10.70 | best 9.3, mean 9.0 |" in text
+    assert "| FedRE demo (Fashion-MNIST, cpu5) | cuda | failed: RuntimeError: broke |" in text
+    assert text.endswith("FedRE paper HtM10 (CIFAR-10-shaped synthetic) on cuda: server_loss non-finite from round 1")
