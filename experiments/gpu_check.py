@@ -1,8 +1,8 @@
 """privfl on a CUDA GPU, measured (issue 17, goal 6): seconds per round and GPU memory of the FedRE paper
 configuration, and the README's main job on the GPU against the same machine's CPU.
 
-Three parts, each timed on its own and each allowed to fail without stopping the others (a traceback
-is printed and the part's row says ``failed``):
+Two parts, each timed on its own and each allowed to fail without stopping the other (a traceback is
+printed and the part's row says ``failed``), and the GPU memory of both:
 
 1. ``paper``: the FedRE paper configuration ``experiments/fedre/cifar10_pat_hete.toml`` (ten clients, one
    of each HtM10 model: cnn4, MobileNetV2, GoogLeNet, ResNet-18/34/50/101/152, ViT-B/16, ViT-B/32; CIFAR-10
@@ -16,7 +16,8 @@ is printed and the part's row says ``failed``):
 2. ``demo``: the demo's FedRE (``python -m privfl.train fedre``: Fashion-MNIST, the cpu5 models) for
    ``--demo-rounds`` rounds on the GPU, then on this machine's CPU (all its cores), and ``invert --compare
    rep,proto,ent_rep`` on both (fewer targets than the demo: ``--samples``).
-3. Peak GPU memory of every part (torch's allocator: allocated and reserved) and of every round.
+
+Memory is torch's allocator's peak (allocated and reserved) of each part and of each round.
 
 Seconds per round are means over the rounds after the first (the first builds kernels and plans);
 ``wall`` counts a round from the end of the previous one (evaluation, metrics and checkpoint writes in).

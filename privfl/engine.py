@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -445,6 +446,7 @@ class Trainer:
             disable=not cfg.progress,
             dynamic_ncols=True,
         )
+        diverged = nonfinite_metrics(self.history)  # a resumed run does not announce its earlier rounds again
         for rnd in bar:
             t0 = time.perf_counter()
             selected = self.select(rnd)
@@ -481,7 +483,8 @@ class Trainer:
                 "seconds": round(time.perf_counter() - t0, 3),
             }
             self.history.append(entry)
-            for key in nonfinite_metrics([entry]).keys() - nonfinite_metrics(self.history[:-1]).keys():
+            for key in nonfinite_metrics([entry]).keys() - diverged.keys():
+                diverged[key] = rnd
                 bar.write(f"privfl: round {rnd}: {key} is {entry[key]} (training diverged; summary.json 'nonfinite')", file=sys.stderr)
             self.write_metrics()
             self.save_checkpoint(rnd)
@@ -680,7 +683,7 @@ def nonfinite_metrics(history: Sequence[dict[str, Any]]) -> dict[str, int]:
     first: dict[str, int] = {}
     for h in history:
         for key, value in h.items():
-            if isinstance(value, float) and not np.isfinite(value) and key not in first:
+            if isinstance(value, float) and not math.isfinite(value) and key not in first:
                 first[key] = h["round"]
     return first
 
