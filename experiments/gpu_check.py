@@ -48,7 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+import privfl  # noqa: E402
+from attacks import compare_artifacts, run_attack  # noqa: E402
+from attacks.runner import AttackReport  # noqa: E402
 from experiments.benchlib import RoundClock  # noqa: E402
+from privfl.config import read_config_file  # noqa: E402
+from privfl.run import Run  # noqa: E402
 
 PAPER_CONFIG = ROOT / "experiments" / "fedre" / "cifar10_pat_hete.toml"
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -109,22 +114,16 @@ def memory_of(device: torch.device) -> dict[str, int]:
     return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device), "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
-def train(argv: list[str], device: torch.device) -> dict[str, Any]:
-    """privfl.train in this process; its per-round seconds, memory and accuracies."""
-    from privfl.train import main
-
+def train(values: dict[str, Any], device: torch.device) -> tuple[Run, dict[str, Any]]:
+    """``privfl.train(values)`` in this process; the run, and its per-round seconds, memory and accuracies."""
     clock = GpuRoundClock(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    code = main(argv, callbacks=[clock])
-    if code != 0:
-        raise RuntimeError(f"privfl.train exited {code}")
-    run = Path(argv[argv.index("--out-dir") + 1]) / argv[argv.index("--run-name") + 1]
-    summary = json.loads((run / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {
-        "run": str(run),
+    run = privfl.train({**values, "device": str(device)}, callbacks=[clock])
+    rows, summary = run.metrics, run.summary
+    return run, {
+        "run": str(run.path),
         "total_seconds": round(time.perf_counter() - t0, 2),
         "rounds": len(rows),
         "engine_s_per_round": mean_after_first(clock.engine_seconds),
@@ -138,25 +137,32 @@ def train(argv: list[str], device: torch.device) -> dict[str, Any]:
         "capture_bytes": summary["capture_bytes"],
         "knowledge_bytes": summary["knowledge_bytes"],
         "nonfinite": summary.get("nonfinite", {}),  # a loss that went NaN/inf, and from which round
+        **memory_of(device),
     }
 
 
-def invert(argv: list[str], run: str, device: torch.device) -> dict[str, Any]:
-    """privfl.attack invert in this process; its seconds per target, PSNR per kind and memory."""
-    from privfl.attack import main
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    name = f"gpu-check-{device.type}"
-    code = main(["invert", "--run", run, "--name", name, "--no-progress", "--device", str(device), *argv])
-    if code != 0:
-        raise RuntimeError(f"privfl.attack exited {code}")
-    summary = json.loads((Path(run) / "attacks" / name / "metrics.json").read_text())["summary"]
-    # --compare: "<kind>_sample_psnr" per kind; one artifact: "best_psnr" (best-matching image of an aggregate)
+def inversion(report: AttackReport, device: torch.device) -> dict[str, Any]:
+    """An inversion's seconds per target, PSNR per kind and GPU memory."""
+    summary = report.summary
+    # compare_artifacts: "<kind>_sample_psnr" per kind; run_attack on an aggregate: "best_psnr"/"mean_psnr"
     psnr = {k[: -len("_sample_psnr")]: v for k, v in summary.items() if k.endswith("_sample_psnr")}
     psnr.update({k[: -len("_psnr")]: v for k, v in summary.items() if k in ("sample_psnr", "best_psnr", "mean_psnr")})
     psnr = {k: None if v is None else round(v, 2) for k, v in psnr.items()}
     return {"targets": summary["targets"], "seconds_per_target": summary["seconds_per_target"], "psnr": psnr, **memory_of(device)}
+
+
+def attack_settings(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """What run_attack and compare_artifacts take here: privfl's DIP settings, ``--steps`` if given."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    options = {"steps": args.steps} if args.steps else {}
+    return {"options": options, "seed": args.seed, "device": device, "name": f"gpu-check-{device.type}", "progress": args.progress}
+
+
+def run_values(args: argparse.Namespace, run_name: str) -> dict[str, Any]:
+    """The options every training of the check shares."""
+    values: dict[str, Any] = {"seed": args.seed, "out_dir": str(args.work / "runs"), "run_name": run_name, "progress": args.progress}
+    return {**values, "subsample": args.subsample} if args.subsample else values
 
 
 def part_paper(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -167,39 +173,22 @@ def part_paper(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         root = args.work / "cifar10-shaped"
         write_cifar10_shaped(root, seed=args.seed)
         print(f"wrote CIFAR-10-shaped synthetic data under {root} in {time.perf_counter() - t0:.1f} s", flush=True)
-    argv = [
-        "fedre",
-        *("--config", str(PAPER_CONFIG), "--data-root", str(root), "--rounds", str(args.paper_rounds)),
-        *("--device", str(device), "--seed", str(args.seed), "--out-dir", str(args.work / "runs"), "--run-name", f"paper-{device.type}"),
-        *(() if args.progress else ("--no-progress",)),
-        *(("--subsample", str(args.subsample)) if args.subsample else ()),
-    ]
-    result: dict[str, Any] = {"data": "CIFAR-10-shaped synthetic" if synthetic else f"CIFAR-10 from {root}", "train": train(argv, device)}
-    result["train"].update(memory_of(device))
-    steps = ["--steps", str(args.steps)] if args.steps else []
-    shutil.copy(Path(result["train"]["run"]) / "metrics.jsonl", args.out / "paper_metrics.jsonl")  # per client, per round
-    result["invert"] = invert(
-        ["--artifact", "ent_rep", "--clients", args.paper_clients, "--max-targets", str(args.targets), *steps], result["train"]["run"], device
-    )
-    return result
+    values = {**read_config_file(PAPER_CONFIG), **run_values(args, f"paper-{device.type}"), "data_root": str(root), "rounds": args.paper_rounds}
+    run, trained = train(values, device)
+    shutil.copy(run.path / "metrics.jsonl", args.out / "paper_metrics.jsonl")  # per client, per round
+    clients = [c.strip() for c in args.paper_clients.split(",") if c.strip()]
+    report = run_attack(run, "invert", kind="ent_rep", clients=clients, max_targets=args.targets, **attack_settings(args, device))
+    data = "CIFAR-10-shaped synthetic" if synthetic else f"CIFAR-10 from {root}"
+    return {"data": data, "train": trained, "invert": inversion(report, device)}
 
 
 def part_demo(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     sides: dict[str, Any] = {}
     devices = [device] if device.type == "cpu" or args.no_cpu_baseline else [device, torch.device("cpu")]
     for dev in devices:
-        argv = [
-            "fedre",
-            *("--rounds", str(args.demo_rounds), "--device", str(dev), "--seed", str(args.seed)),
-            *("--out-dir", str(args.work / "runs"), "--run-name", f"demo-{dev.type}"),
-            *(() if args.progress else ("--no-progress",)),
-            *(("--subsample", str(args.subsample)) if args.subsample else ()),
-        ]
-        side = {"train": train(argv, dev)}
-        side["train"].update(memory_of(dev))
-        steps = ["--steps", str(args.steps)] if args.steps else []
-        side["invert"] = invert(["--compare", "rep,proto,ent_rep", "--samples", str(args.targets), *steps], side["train"]["run"], dev)
-        sides[dev.type] = side
+        run, trained = train({"method": "fedre", **run_values(args, f"demo-{dev.type}"), "rounds": args.demo_rounds}, dev)
+        report = compare_artifacts(run, ["rep", "proto", "ent_rep"], samples=args.targets, **attack_settings(args, dev))
+        sides[dev.type] = {"train": trained, "invert": inversion(report, dev)}
     return {"sides": sides}
 
 
