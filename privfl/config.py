@@ -133,6 +133,11 @@ class TrainConfig:
     )
     seed: int = opt(0, "one seed fixes partition, initialisation, sampling and every random draw", min=0)
     device: str = opt("auto", "auto (GPU when present), cpu, cuda, cuda:N")
+    deterministic: bool = opt(
+        False,
+        "bit-reproducible runs on a GPU: torch's deterministic kernels, no cuDNN autotuning, no TF32, a fixed cuBLAS "
+        "workspace (slower; an operation without a deterministic kernel warns); the CPU repeats to the bit without it",
+    )
     engine: str = opt(
         "inprocess",
         "inprocess: every client in this process (fast, the default); flower: clients as Flower ClientApps driven by a "

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from privfl.capture.store import TensorStore, atomic_write_safetensors, atomic_write_text, stray_temps
 from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
+from privfl.determinism import deterministic_kernels, prepare_cublas
 from privfl.errors import ConfigError, PrivflError
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
 from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
@@ -106,6 +107,8 @@ class Trainer:
         self.method_cls = resolve_method(cfg.method)
         check_method_class(self.method_cls)
         self.device = resolve_device(cfg.device)
+        if cfg.deterministic:
+            prepare_cublas(self.device)  # before this run's first CUDA call
         if not 0 < cfg.join_ratio <= 1:
             raise ConfigError(f"--join-ratio must be in (0, 1], got {cfg.join_ratio}")
         if cfg.rounds < 1 or cfg.num_clients < 1:
@@ -429,6 +432,10 @@ class Trainer:
         return [metrics for _, metrics in sorted(notes, key=lambda note: note[0])]  # stable: a client's notes in order
 
     def run(self) -> dict[str, Any]:
+        with deterministic_kernels(self.cfg.deterministic):
+            return self._run_rounds()
+
+    def _run_rounds(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg

@@ -28,17 +28,17 @@ def _deterministic_gpu() -> None:
     """On a machine with a CUDA GPU (CI has none): deterministic kernels and no TF32, so that the tests
     comparing two runs bit for bit (resume, workers, a method reduced to another) compare the same
     arithmetic. A plain privfl run on a GPU is not bit-reproducible (cuDNN picks kernels per call, TF32
-    matmuls); privfl promises identical numbers on the CPU. ``warn_only``: an operation without a
-    deterministic CUDA kernel warns (and names itself) instead of failing the test."""
+    matmuls) unless it is given ``--deterministic``; privfl promises identical numbers on the CPU.
+    ``warn_only``: an operation without a deterministic CUDA kernel warns (and names itself) instead of
+    failing the test."""
     import torch
 
     if not torch.cuda.is_available():
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # inherited by the subprocesses tests start
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    from privfl.determinism import CUBLAS_WORKSPACE, set_deterministic_kernels
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # inherited by the subprocesses tests start
+    set_deterministic_kernels()  # privfl's --deterministic, for the whole session
 
 
 _deterministic_gpu()

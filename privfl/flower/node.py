@@ -77,6 +77,7 @@ class ClientNode:
 
     def __init__(self, context: Context):
         from privfl.config import build_config
+        from privfl.determinism import prepare_cublas, set_deterministic_kernels
         from privfl.engine import resolve_device
         from privfl.methods import Client, FLEnv, KnowledgeRecorder, ModelRequest, resolve_method
         from privfl.methods.trainer import LocalTrainer
@@ -92,6 +93,9 @@ class ClientNode:
         torch.set_num_threads(max(1, int(setup["threads"])))
         self.cfg, self.index = cfg, int(setup["index"])
         self.device = resolve_device(cfg.device)
+        if cfg.deterministic:  # this node's process belongs to the run: set for good, not restored
+            prepare_cublas(self.device)
+            set_deterministic_kernels()
         self.data, ds = _data(cfg.dataset, cfg.data_root, cfg.download, cfg.subsample, cfg.seed, str(self.device))
         idx = get_tensors(state, "privfl.indices", self.device)
         arch = assign_archs(cfg.model_group, cfg.num_clients)[self.index]

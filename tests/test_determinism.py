@@ -1,0 +1,122 @@
+"""``--deterministic``: torch's deterministic kernels while a run trains, torch's settings restored after it,
+the same numbers as without it on the CPU, a one-line refusal where cuBLAS can no longer be made
+reproducible; and, where a CUDA GPU is present, two runs in fresh processes that agree to the bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from privfl import determinism
+from privfl.capture import TensorStore
+from privfl.config import load_saved_config
+from privfl.determinism import deterministic_kernels, prepare_cublas
+from privfl.engine import TrainCallback
+from privfl.errors import ConfigError
+from privfl.train import build_parser
+from tests.conftest import ROOT, read_metrics
+from tests.test_train import needs_fmnist
+
+TINY = ["--subsample", "240", "--partition", "iid", "--num-clients", "3", "--batch-size", "32", "--rounds", "2", "--no-progress"]
+
+
+def _settings() -> dict:
+    return determinism._current()
+
+
+def _numbers(run: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)]
+
+
+def test_the_kernels_are_deterministic_inside_the_block_and_restored_after_it_also_on_error() -> None:
+    before = _settings()
+    with deterministic_kernels(False):
+        assert _settings() == before
+    seen: list[dict] = []
+
+    def fail_inside() -> None:
+        with deterministic_kernels(True):
+            seen.append(_settings())
+            raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        fail_inside()
+    assert seen == [determinism.DETERMINISTIC]
+    assert _settings() == before
+
+
+def test_cublas_is_given_its_workspace_before_cuda_starts_and_refused_after(monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    prepare_cublas(torch.device("cpu"))  # nothing to prepare on a CPU
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    prepare_cublas(torch.device("cuda"))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == determinism.CUBLAS_WORKSPACE
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the other reproducible setting is kept
+    prepare_cublas(torch.device("cuda"))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+        prepare_cublas(torch.device("cuda"))
+
+
+def test_the_flag_is_parsed_and_saved() -> None:
+    assert vars(build_parser(None).parse_args(["--deterministic"]))["deterministic"] is True
+    assert "deterministic" not in vars(build_parser(None).parse_args([]))
+
+
+class _SeeKernels(TrainCallback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_round_end(self, rnd: int, entry: dict) -> None:
+        self.seen.append(torch.are_deterministic_algorithms_enabled())
+
+
+@needs_fmnist
+def test_a_deterministic_cpu_run_trains_with_the_kernels_on_and_gives_the_plain_runs_numbers(tmp_path: Path) -> None:
+    from privfl.config import build_config
+    from privfl.engine import train as engine_train
+    from privfl.methods import resolve_method
+
+    values = {"method": "fedavg", "subsample": 240, "partition": "iid", "num_clients": 3, "batch_size": 32, "rounds": 2}
+    values |= {"model_group": "homo-cnn4", "progress": False, "device": "cpu", "out_dir": str(tmp_path)}
+    options = resolve_method("fedavg").Options
+    before = _settings()
+    plain = engine_train(build_config({**values, "run_name": "plain"}, options)).path
+    spy = _SeeKernels()
+    run = engine_train(build_config({**values, "run_name": "det", "deterministic": True}, options), callbacks=[spy])
+    assert spy.seen == [True, True]
+    assert _settings() == before  # privfl.train leaves torch as it found it
+    assert load_saved_config(run.path)["deterministic"] is True
+    assert load_saved_config(plain)["deterministic"] is False
+    assert _numbers(run.path) == _numbers(plain)
+
+
+def _capture_hashes(run: Path) -> list[str]:
+    return [record["sha256"] for record in TensorStore(run / "capture", "capture").records()]
+
+
+@needs_fmnist
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_deterministic_gpu_runs_in_fresh_processes_agree_to_the_bit(tmp_path: Path) -> None:
+    """FedRE with BatchNorm models (ResNet among them) on the GPU, each run in its own process whose
+    environment lacks CUBLAS_WORKSPACE_CONFIG (privfl must set it): metrics and every captured message equal."""
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    args = ["fedre", *TINY, "--num-clients", "5", "--model-group", "cpu5", "--device", "cuda", "--deterministic", "--out-dir", str(tmp_path)]
+    runs = []
+    for name in ("a", "b"):
+        argv = [sys.executable, "-m", "privfl.train", *args, "--run-name", name]
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(tmp_path / name)
+    assert _numbers(runs[0]) == _numbers(runs[1])
+    assert _capture_hashes(runs[0]) == _capture_hashes(runs[1])
+    assert json.loads((runs[0] / "config.json").read_text())["deterministic"] is True
