@@ -1,8 +1,8 @@
 """privfl on a CUDA GPU, measured (issue 17, goal 6): seconds per round and GPU memory of the FedRE paper
-configuration, and the README's main job on the GPU against the same machine's CPU.
+configuration, the README's main job on the GPU against the same machine's CPU, and ``--deterministic``.
 
-Two parts, each timed on its own and each allowed to fail without stopping the other (a traceback is
-printed and the part's row says ``failed``), and the GPU memory of both:
+Three parts, each timed on its own and each allowed to fail without stopping the others (a traceback is
+printed and the part's row says ``failed``), and the GPU memory of the first two:
 
 1. ``paper``: the FedRE paper configuration ``experiments/fedre/cifar10_pat_hete.toml`` (ten clients, one
    of each HtM10 model: cnn4, MobileNetV2, GoogLeNet, ResNet-18/34/50/101/152, ViT-B/16, ViT-B/32; CIFAR-10
@@ -16,6 +16,13 @@ printed and the part's row says ``failed``), and the GPU memory of both:
 2. ``demo``: the demo's FedRE (``python -m privfl.train fedre``: Fashion-MNIST, the cpu5 models) for
    ``--demo-rounds`` rounds on the GPU, then on this machine's CPU (all its cores), and ``invert --compare
    rep,proto,ent_rep`` on both (fewer targets than the demo: ``--samples``).
+3. ``determinism``: the demo's FedRE (``--det-model-group``, default cpu5, whose ResNet has BatchNorm;
+   or ``--det-setting paper``, the paper part's configuration and data) for ``--det-rounds`` rounds four
+   times on the device: twice as is and twice with ``--deterministic``. It prints whether each pair
+   agrees to the bit (every round's metrics but its seconds, and the sha256 of every captured message),
+   the seconds per round of both settings and their ratio, and the operations torch warned have no
+   deterministic kernel. The process sets ``CUBLAS_WORKSPACE_CONFIG`` before CUDA starts when this part
+   is chosen (``--deterministic`` needs it; the plain runs only share the workspace).
 
 Memory is torch's allocator's peak (allocated and reserved) of each part and of each round.
 
@@ -31,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import shutil
 import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,12 +61,14 @@ import privfl  # noqa: E402
 from attacks import compare_artifacts, run_attack  # noqa: E402
 from attacks.runner import AttackReport  # noqa: E402
 from experiments.benchlib import RoundClock  # noqa: E402
+from privfl.capture import TensorStore  # noqa: E402
 from privfl.config import read_config_file  # noqa: E402
+from privfl.determinism import CUBLAS_WORKSPACE  # noqa: E402
 from privfl.run import Run  # noqa: E402
 
 PAPER_CONFIG = ROOT / "experiments" / "fedre" / "cifar10_pat_hete.toml"
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-PARTS = ("paper", "demo")
+PARTS = ("paper", "demo", "determinism")
 
 
 def write_cifar10_shaped(folder: Path, train: int = 50_000, test: int = 10_000, seed: int = 0) -> Path:
@@ -165,14 +176,20 @@ def run_values(args: argparse.Namespace, run_name: str) -> dict[str, Any]:
     return {**values, "subsample": args.subsample} if args.subsample else values
 
 
-def part_paper(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    root = args.cifar_root
-    synthetic = root is None
-    if synthetic:
+def paper_data(args: argparse.Namespace) -> tuple[Path, bool]:
+    """CIFAR-10's folder: ``--cifar-root``, or CIFAR-10-shaped synthetic data written once under ``--work``."""
+    if args.cifar_root is not None:
+        return args.cifar_root, False
+    root = args.work / "cifar10-shaped"
+    if not root.exists():
         t0 = time.perf_counter()
-        root = args.work / "cifar10-shaped"
         write_cifar10_shaped(root, seed=args.seed)
         print(f"wrote CIFAR-10-shaped synthetic data under {root} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return root, True
+
+
+def part_paper(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    root, synthetic = paper_data(args)
     values = {**read_config_file(PAPER_CONFIG), **run_values(args, f"paper-{device.type}"), "data_root": str(root), "rounds": args.paper_rounds}
     run, trained = train(values, device)
     shutil.copy(run.path / "metrics.jsonl", args.out / "paper_metrics.jsonl")  # per client, per round
@@ -190,6 +207,51 @@ def part_demo(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         report = compare_artifacts(run, ["rep", "proto", "ent_rep"], samples=args.targets, **attack_settings(args, dev))
         sides[dev.type] = {"train": trained, "invert": inversion(report, dev)}
     return {"sides": sides}
+
+
+def bitwise_record(run: Run) -> tuple[list[dict[str, Any]], list[str]]:
+    """What two bit-identical runs share: every round's metrics but its seconds, and the sha256 of every
+    captured message."""
+    rows = [{k: v for k, v in row.items() if k != "seconds"} for row in run.metrics]
+    return rows, [rec["sha256"] for rec in TensorStore(run.path / "capture", "capture").records()]
+
+
+def part_determinism(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The demo's FedRE (or, ``--det-setting paper``, the paper configuration) twice as is and twice with
+    ``--deterministic``, on ``device``."""
+    if args.det_setting == "paper":
+        root, synthetic = paper_data(args)
+        base = {**read_config_file(PAPER_CONFIG), "data_root": str(root)}
+        setting = "paper HtM10, " + ("CIFAR-10-shaped synthetic" if synthetic else "CIFAR-10")
+    else:
+        base = {"method": "fedre", "model_group": args.det_model_group}
+        setting = f"demo, {args.det_model_group}"
+    sides: dict[str, Any] = {}
+    for deterministic in (False, True):
+        label = "deterministic" if deterministic else "plain"
+        records, trained = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for repeat in (1, 2):
+                values = {**base, **run_values(args, f"det-{label}-{repeat}"), "rounds": args.det_rounds, "deterministic": deterministic}
+                run, result = train(values, device)
+                records.append(bitwise_record(run))
+                trained.append(result)
+        # torch's wording: "<op> does not have a deterministic implementation, ..." or "<kernel> defaults to a non-deterministic algorithm. ..."
+        texts = [str(w.message) for w in caught if "deterministic" in str(w.message)]
+        warned = sorted({text.split(" does not have a deterministic")[0].split(". ")[0] for text in texts})
+        first_differing = next((r["round"] for r, q in zip(records[0][0], records[1][0], strict=True) if r != q), None)
+        sides[label] = {
+            "metrics_equal": records[0][0] == records[1][0],
+            "capture_equal": records[0][1] == records[1][1],
+            "first_differing_round": first_differing,
+            "messages": len(records[0][1]),
+            "s_per_round": [t["wall_s_per_round"] for t in trained],
+            "acc": [t["acc"][-1] for t in trained],
+            "nondeterministic_ops": warned,
+        }
+    sides["slowdown"] = statistics.fmean(sides["deterministic"]["s_per_round"]) / statistics.fmean(sides["plain"]["s_per_round"])
+    return {"setting": setting, "rounds": args.det_rounds, **sides}
 
 
 def guarded(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -210,10 +272,11 @@ def gib(n: int | None) -> str:
 
 def report(results: dict[str, Any]) -> str:
     lines = [f"# gpu_check: {results['device_name']} (torch {results['torch']}, {results['threads']} CPU threads)", ""]
-    lines.append(
-        "| job | device | rounds | s/round engine | s/round wall | peak alloc GiB | peak reserved GiB | final acc | invert s/target | PSNR dB |"
-    )
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    if "paper" in results or "demo" in results:
+        lines.append(
+            "| job | device | rounds | s/round engine | s/round wall | peak alloc GiB | peak reserved GiB | final acc | invert s/target | PSNR dB |"
+        )
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     diverged: list[str] = []
 
     def row(job: str, dev: str, side: dict[str, Any]) -> None:
@@ -248,6 +311,24 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(f"GPU / CPU here: training {train_ratio:.2f}x the CPU's wall per round, inversion {invert_ratio:.2f}x its s/target")
     if diverged:
         lines += ["", *diverged]
+    if "determinism" in results:
+        det = results["determinism"]
+        head = f"| FedRE {det.get('setting', '')} twice on {results['device']} | metrics equal | capture equal "
+        head += "| first differing round | s/round (two runs) | final acc |"
+        lines += ["", head]
+        lines.append("|---|---|---|---:|---|---|")
+        if "failed" in det:
+            lines.append(f"| determinism | failed: {det['failed'].strip().splitlines()[-1]} |")
+        else:
+            for label in ("plain", "deterministic"):
+                side = det[label]
+                seconds = " / ".join(f"{v:.2f}" for v in side["s_per_round"])
+                acc = " / ".join(f"{v:.4f}" for v in side["acc"])
+                first = "-" if side["first_differing_round"] is None else str(side["first_differing_round"])
+                lines.append(f"| {label} | {side['metrics_equal']} | {side['capture_equal']} | {first} | {seconds} | {acc} |")
+            lines.append(f"\n--deterministic / plain seconds per round: {det['slowdown']:.2f}x")
+            ops = det["deterministic"]["nondeterministic_ops"]
+            lines.append("operations without a deterministic kernel (torch warned): " + (", ".join(ops) if ops else "none"))
     return "\n".join(lines)
 
 
@@ -264,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cpu-baseline", action="store_true", help="demo on the GPU only")
     p.add_argument("--targets", type=int, default=4, help="inversion targets per client (demo: images compared)")
     p.add_argument("--steps", type=int, default=None, help="DIP steps (default: privfl's)")
+    p.add_argument("--det-rounds", type=int, default=3, help="rounds of each of the determinism part's four runs")
+    p.add_argument("--det-setting", choices=("demo", "paper"), default="demo", help="the determinism part's runs: demo FedRE or the paper's")
+    p.add_argument("--det-model-group", default="cpu5", help="model group of the determinism part's demo setting (Fashion-MNIST)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--subsample", type=int, default=None, help="train on N samples of each dataset (a quick check of the script itself)")
     p.add_argument("--progress", action="store_true")
@@ -279,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except ConfigError as exc:
         p.error(str(exc))
-    if device.type == "cpu" and "paper" in parts and not args.subsample:
+    paper_scale = "paper" in parts or ("determinism" in parts and args.det_setting == "paper")
+    if device.type == "cpu" and paper_scale and not args.subsample:
         p.error("the paper part (HtM10 on 60,000 images) takes hours on a CPU: run it where a GPU is, or pass --subsample")
     args.work = args.work or args.out / "work"
     if args.work.exists() and any(args.work.iterdir()):
@@ -292,10 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+    if "determinism" in parts:  # cuBLAS reads its workspace setting once, when CUDA first uses it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if "paper" in parts:
         results["paper"] = guarded("paper", lambda: part_paper(args, device))
     if "demo" in parts:
         results["demo"] = guarded("demo", lambda: part_demo(args, device))
+    if "determinism" in parts:
+        results["determinism"] = guarded("determinism", lambda: part_determinism(args, device))
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
     text = report(results)
     (args.out / "gpu_check.md").write_text(text + "\n")

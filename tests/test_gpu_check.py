@@ -1,5 +1,6 @@
 """experiments/gpu_check.py off the GPU: its CIFAR-10-shaped data is what privfl's CIFAR-10 loader reads,
-and the script runs its parts (and reports a failed one) on the CPU."""
+and the script runs its parts (and reports a failed one) on the CPU, where both pairs of its determinism
+part agree to the bit."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def test_the_script_runs_its_demo_part_on_the_cpu_and_reports_a_failed_part(tmp_
     assert side["train"]["rounds"] == 2 and len(side["train"]["wall_seconds"]) == 2
     assert set(side["invert"]["psnr"]) == {"rep", "proto", "ent_rep"} and side["invert"]["targets"] >= 1
     assert "| FedRE demo (Fashion-MNIST, cpu5) | cpu | 2 |" in (tmp_path / "gpu_check.md").read_text()
+    # the determinism part: on the CPU both pairs of runs agree to the bit
+    assert main([*common, "--parts", "determinism", "--det-rounds", "1", "--work", str(tmp_path / "work3")]) == 0
+    det = json.loads((tmp_path / "gpu_check.json").read_text())["determinism"]
+    for label in ("plain", "deterministic"):
+        assert det[label]["metrics_equal"] and det[label]["capture_equal"] and det[label]["first_differing_round"] is None
+        assert det[label]["messages"] > 0 and len(det[label]["s_per_round"]) == 2
     # no CIFAR-10 where --cifar-root points: the part fails, the script says so and exits 1
     paper = [*common, "--parts", "paper", "--cifar-root", str(tmp_path / "none"), "--paper-rounds", "1"]
     assert main([*paper, "--work", str(tmp_path / "work2")]) == 1
@@ -64,3 +71,15 @@ def test_the_report_shows_each_job_a_failed_part_and_a_diverged_training() -> No
     assert "| FedRE paper HtM10 (CIFAR-10-shaped synthetic) | cuda | 3 | 34.10 | 36.90 | 2.00 | 4.00 | 0.2000 | 10.70 | best 9.3, mean 9.0 |" in text
     assert "| FedRE demo (Fashion-MNIST, cpu5) | cuda | failed: RuntimeError: broke |" in text
     assert text.endswith("FedRE paper HtM10 (CIFAR-10-shaped synthetic) on cuda: server_loss non-finite from round 1")
+
+
+def test_the_report_says_which_pair_of_runs_differs_and_from_which_round() -> None:
+    side = {"metrics_equal": True, "capture_equal": True, "first_differing_round": None, "s_per_round": [2.0, 2.2], "acc": [0.75, 0.75]}
+    plain = {**side, "metrics_equal": False, "capture_equal": False, "first_differing_round": 1, "acc": [0.75, 0.76]}
+    det = {"setting": "demo, cpu5", "rounds": 3, "plain": plain, "deterministic": {**side, "nondeterministic_ops": ["op_cuda"]}, "slowdown": 1.25}
+    text = report({"device": "cuda", "device_type": "cuda", "device_name": "GPU", "torch": "2", "threads": 16, "determinism": det})
+    assert "| job |" not in text  # no paper or demo part: no empty table
+    assert "| FedRE demo, cpu5 twice on cuda |" in text
+    assert "| plain | False | False | 1 | 2.00 / 2.20 | 0.7500 / 0.7600 |" in text
+    assert "| deterministic | True | True | - | 2.00 / 2.20 | 0.7500 / 0.7500 |" in text
+    assert "--deterministic / plain seconds per round: 1.25x" in text and text.endswith("(torch warned): op_cuda")
