@@ -47,7 +47,7 @@ REPRESENTATION_FAMILIES = (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_RE
 SHARED_OPTIONS = (
     "dataset", "data_root", "subsample", "num_clients", "partition", "alpha", "classes_per_client", "imbalance_factor", "balanced",
     "min_samples", "train_fraction", "rounds", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "seed",
-    "rep_dim", "mapping", "eval_batch_size", "knowledge_rounds", "device",
+    "rep_dim", "mapping", "eval_batch_size", "knowledge_rounds", "device", "deterministic",
 )  # fmt: skip
 
 

@@ -152,10 +152,12 @@ def compare_artifacts(
     write: bool = True,
     progress: bool = False,
     data_root: str | None = None,
+    deterministic: bool = False,
 ) -> AttackReport:
     """The Figure-4 comparison on one client (default: the first with a stored extractor) at one round
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
-    every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b)."""
+    every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b).
+    ``deterministic``: torch's deterministic kernels while the inversions run (``--deterministic``)."""
     from attacks.metrics import score_images, summarize
     from attacks.runner import base_protocol, client_names, execute, output_folder, resolve_attack_device, write_report
     from attacks.scoring import Scored, score
@@ -176,7 +178,7 @@ def compare_artifacts(
     if not rounds:
         raise CaptureError(f"the run stores no extractor of {client}")
     rnd = rounds[-1] if round is None else round
-    attack = cast(RepresentationInversion, create_attack("invert", seed=seed, device=resolve_attack_device(device), **(options or {})))
+    attack = cast(RepresentationInversion, create_attack("invert", seed=seed, device=resolve_attack_device(device, deterministic), **(options or {})))
     reason = attack.missing_knowledge(view)
     if reason:
         raise CaptureError(reason)
@@ -186,7 +188,7 @@ def compare_artifacts(
     truth = run.ground_truth(data_root)
     p = plan(view, truth, kinds, client, rnd, samples, seed)
     unique = list({t.key: t for ts in p.targets.values() for t in ts}.values())
-    recons, seconds = execute(attack, unique, progress=progress, desc=f"compare {', '.join(kinds)} on {client} r{rnd}")
+    recons, seconds = execute(attack, unique, progress=progress, desc=f"compare {', '.join(kinds)} on {client} r{rnd}", deterministic=deterministic)
     by_key = {r.target.key: r for r in recons}
     sample_images = truth.images(p.samples)
     rows, gallery_rows, labels = [], [], {}
@@ -228,7 +230,7 @@ def compare_artifacts(
         summary["paper_ordering_holds"] = bool(order[0] > order[1] > order[2])
     rule = "(a) each reconstruction against the same sample image; (b) best match in the artifact's aggregate"
     protocol = {
-        **base_protocol(attack, run),
+        **base_protocol(attack, run, deterministic),
         **attack.protocol(),
         "dip_levels_used": attack.levels_used(run.dataset["image_size"]),
         "compare": kinds,

@@ -54,16 +54,26 @@ class AttackReport:
     folder: Path | None = None
 
 
-def resolve_attack_device(name: str | torch.device) -> torch.device:
-    """``auto`` (the GPU when there is one), ``cpu``, ``cuda``, ``cuda:N`` or a device; one-line errors."""
+def resolve_attack_device(name: str | torch.device, deterministic: bool = False) -> torch.device:
+    """``auto`` (the GPU when there is one), ``cpu``, ``cuda``, ``cuda:N`` or a device; one-line errors.
+    ``deterministic``: cuBLAS is given its reproducible workspace before CUDA starts (or refused, one line)."""
+    from privfl.determinism import prepare_cublas
     from privfl.engine import resolve_device
 
-    return name if isinstance(name, torch.device) else resolve_device(name)
+    device = name if isinstance(name, torch.device) else resolve_device(name)
+    if deterministic:
+        prepare_cublas(device)
+    return device
 
 
-def execute(attack: Attack, targets: Sequence[Target], *, progress: bool = False, desc: str = "") -> tuple[list[Reconstruction], float]:
-    """Run ``attack`` on ``targets`` with a progress bar (steps and the current loss); (results, seconds)."""
+def execute(
+    attack: Attack, targets: Sequence[Target], *, progress: bool = False, desc: str = "", deterministic: bool = False
+) -> tuple[list[Reconstruction], float]:
+    """Run ``attack`` on ``targets`` with a progress bar (steps and the current loss); (results, seconds).
+    ``deterministic``: with torch's deterministic kernels (``--deterministic``, :mod:`privfl.determinism`)."""
     from tqdm.auto import tqdm
+
+    from privfl.determinism import deterministic_kernels
 
     attack.prepare(targets)
     bar = tqdm(
@@ -81,7 +91,8 @@ def execute(attack: Attack, targets: Sequence[Target], *, progress: bool = False
 
     start = time.perf_counter()
     try:
-        recons = attack.run_batch(targets, hook)
+        with deterministic_kernels(deterministic):
+            recons = attack.run_batch(targets, hook)
     finally:
         bar.close()
     return recons, time.perf_counter() - start
@@ -94,8 +105,9 @@ def lpips_note() -> str:
     return "computed" if ok else f"unavailable: {why}"
 
 
-def base_protocol(attack: Attack, run: Run) -> dict[str, Any]:
-    """What every result records: the attack, its paper, threat model and knowledge, the run, seed, device."""
+def base_protocol(attack: Attack, run: Run, deterministic: bool = False) -> dict[str, Any]:
+    """What every result records: the attack, its paper, threat model and knowledge, the run, seed, device
+    (and whether its kernels were the deterministic ones)."""
     return {
         "attack": attack.name,
         "paper": attack.paper,
@@ -106,6 +118,7 @@ def base_protocol(attack: Attack, run: Run) -> dict[str, Any]:
         "knowledge_used": attack.needs.granted(),
         "seed": attack.seed,
         "device": str(attack.device),
+        "deterministic": deterministic,
         "psnr_convention": "per image, then averaged",
         "lpips": lpips_note(),
     }
@@ -126,19 +139,21 @@ def run_attack(
     write: bool = True,
     progress: bool = False,
     data_root: str | None = None,
+    deterministic: bool = False,
 ) -> AttackReport:
     """Plan ``attack`` on ``run`` (one kind, one round: the last with it unless ``round``), run it, score
     it against ground truth and (with ``write``) save the results under ``RUN/attacks/<name>``.
 
     ``attack`` is a registered name (``invert``, ``dlg``, ``idlg``, ``ig``, ...) built with ``options``,
     or an :class:`~attacks.base.Attack` instance. Raises :class:`~attacks.base.AttackNotApplicable`
-    (one line, exit status 2 in the CLIs) when nothing in the selection can be attacked.
+    (one line, exit status 2 in the CLIs) when nothing in the selection can be attacked. ``deterministic``:
+    torch's deterministic kernels while it runs, so that a GPU repeats it to the bit (``--deterministic``).
     """
     run = run if isinstance(run, Run) else Run.open(run)
     if write and name is not None:
         output_folder(run, name)  # a bad or foreign output folder is refused before the attack runs
     if isinstance(attack, str):
-        attack = create_attack(attack, seed=seed, device=resolve_attack_device(device), **(options or {}))
+        attack = create_attack(attack, seed=seed, device=resolve_attack_device(device, deterministic), **(options or {}))
     elif options:
         raise ConfigError("pass options with an attack name, or configure the Attack instance yourself")
     selection = Selection(kind, None if round is None else [round], client_names(clients), max_targets)
@@ -156,7 +171,10 @@ def run_attack(
     membership: dict[str, torch.Tensor] = {}
     if attack.needs.candidates or attack.needs.population:  # the membership game: the challenger hands over records
         membership = hand_over(run.ground_truth(data_root), run.dataset, targets, attack)
-    recons, seconds = execute(attack, targets, progress=progress, desc=f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)")
+    if deterministic:
+        resolve_attack_device(attack.device, deterministic)  # an Attack built by the caller: its device
+    desc = f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)"
+    recons, seconds = execute(attack, targets, progress=progress, desc=desc, deterministic=deterministic)
 
     if "images" in attack.produces:
         empty = next((r for r in recons if r.images is None or len(r.images) == 0), None)
@@ -171,7 +189,7 @@ def run_attack(
     title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
     scored = scorer.score(recons, truth, title, seconds)
     protocol = {
-        **base_protocol(attack, run),
+        **base_protocol(attack, run, deterministic),
         **attack.protocol(),
         "artifact": kind,
         "family": str(family),

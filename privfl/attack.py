@@ -139,6 +139,11 @@ def _add_selection(p: argparse.ArgumentParser, *, max_targets: bool = False) -> 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="fixes every initialisation and noise of the attack")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-reproducible on a GPU: torch's deterministic kernels, no TF32 (docs/scale.md); the CPU repeats without it",
+    )
     p.add_argument("--data-root", help="where the run's dataset lives, if not where training found it (scoring only)")
     p.add_argument("--name", help="output folder name under RUN/attacks/ (default from the attack, artifact and round)")
     p.add_argument("--no-progress", action="store_true")
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         options = gradleak_options(args)
     common = {"seed": args.seed, "device": args.device, "name": args.name, "progress": not args.no_progress, "data_root": args.data_root}
+    common["deterministic"] = args.deterministic
     if args.command == "invert" and args.compare:
         from attacks import compare_artifacts
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,3 +121,37 @@ def test_two_deterministic_gpu_runs_in_fresh_processes_agree_to_the_bit(tmp_path
     assert _numbers(runs[0]) == _numbers(runs[1])
     assert _capture_hashes(runs[0]) == _capture_hashes(runs[1])
     assert json.loads((runs[0] / "config.json").read_text())["deterministic"] is True
+
+
+@needs_fmnist
+def test_an_attack_runs_with_the_kernels_on_records_it_and_matches_the_plain_attack_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
+    from attacks import ATTACKS, compare_artifacts, run_attack
+    from privfl.attack import main as attack_main
+    from privfl.train import main as train_main
+
+    argv = ["fedre", *TINY, "--rounds", "1", "--device", "cpu", "--out-dir", str(tmp_path), "--run-name", "r"]
+    assert train_main(argv) == 0
+    run = tmp_path / "r"
+    seen: list[bool] = []
+    invert_cls = ATTACKS.get("invert")
+    original = invert_cls.run_batch
+
+    def spy(self, targets, hook):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return original(self, targets, hook)
+
+    before = _settings()
+    common: dict[str, Any] = {"kind": "ent_rep", "max_targets": 2, "options": {"steps": 3}, "device": "cpu", "write": False}
+    plain = run_attack(run, "invert", **common)
+    monkeypatch.setattr(invert_cls, "run_batch", spy)
+    det = run_attack(run, "invert", **common, deterministic=True)
+    monkeypatch.undo()
+    assert seen == [True] and _settings() == before
+    assert det.protocol["deterministic"] is True and plain.protocol["deterministic"] is False
+    timing = ("seconds_per_target", "seconds_total")
+    assert {k: v for k, v in det.summary.items() if k not in timing} == {k: v for k, v in plain.summary.items() if k not in timing}
+    compared = compare_artifacts(run, ["rep", "ent_rep"], samples=1, options={"steps": 2}, device="cpu", write=False, deterministic=True)
+    assert compared.protocol["deterministic"] is True
+    # the CLI flag reaches the report
+    assert attack_main(["invert", "--artifact", "ent_rep", "--run", str(run), "--steps", "2", "--no-progress", "--deterministic", "--name", "d"]) == 0
+    assert json.loads((run / "attacks" / "d" / "metrics.json").read_text())["protocol"]["deterministic"] is True
