@@ -68,7 +68,7 @@ def test_cublas_is_given_its_workspace_before_cuda_starts_and_refused_after(monk
         prepare_cublas(torch.device("cuda"))
 
 
-def test_the_flag_is_parsed_and_saved() -> None:
+def test_the_train_flag_is_off_unless_given() -> None:
     assert vars(build_parser(None).parse_args(["--deterministic"]))["deterministic"] is True
     assert "deterministic" not in vars(build_parser(None).parse_args([]))
 
