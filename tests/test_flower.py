@@ -153,8 +153,13 @@ def test_killed_flower_run_resumes_to_the_inprocess_run(tmp_path: Path) -> None:
 DEFENDED = ["--defense", "dp:max_norm=1,noise_multiplier=0.5", "--defense", "gaussian:sigma=0.001,directions=down"]
 
 
+#: FedAvg with defenses stays in the default suite; FedRE on heterogeneous models (38 s) is slow, run by .ci/run
 @pytest.mark.parametrize(
-    "method, extra", [("fedavg", ["--model-group", "homo-cnn4", *DEFENDED]), ("fedre", ["--model-group", "cpu5", "--rep-dim", "64"])]
+    "method, extra",
+    [
+        ("fedavg", ["--model-group", "homo-cnn4", *DEFENDED]),
+        pytest.param("fedre", ["--model-group", "cpu5", "--rep-dim", "64"], marks=pytest.mark.slow),
+    ],
 )
 def test_flower_simulation_equals_inprocess(tmp_path: Path, method: str, extra: list[str]) -> None:
     """Same seed, same numbers: accuracy per round, and the capture, truth and knowledge stores byte for
@@ -184,9 +189,11 @@ def test_flower_deployment_on_localhost(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "runs" / "flower" / "config.json").read_text())["flower_mode"] == "deployment"
 
 
+@pytest.mark.slow
 def test_flower_gossip_on_a_graph_equals_inprocess(tmp_path: Path) -> None:
     """DFedPGP on a random time-varying graph with a node down and client DP on the peer messages: the
-    ServerApp routes every hop (captured as the peer message it is, sender to receiver), same bytes."""
+    ServerApp routes every hop (captured as the peer message it is, sender to receiver), same bytes.
+    About 35 s: slow, run by ``.ci/run`` after the default suite."""
     extra = ["--model-group", "homo-cnn4", "--topology", "random", "--degree", "2", "--failures", "1@1"]
     assert_flower_equals_inprocess(tmp_path, "dfedpgp", [*extra, "--defense", "dp:max_norm=1,noise_multiplier=0.5,directions=peer"])
     index = [json.loads(line) for line in (tmp_path / "runs" / "flower" / "capture" / "index.jsonl").read_text().splitlines()]

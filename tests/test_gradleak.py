@@ -36,7 +36,10 @@ def rebuild(model, grads, variant, steps, seed=0):
     return (r.images * 0.5 + 0.5).clamp(0, 1), r
 
 
+@pytest.mark.slow
 def test_dlg_recovers_a_real_cifar_image(victim):
+    """DLG's own setting at 100 steps (about 35 s: slow, run by ``.ci/run``; the default suite's DLG
+    recovery is tests/test_gradleak_cli.py's, on a FedSGD run's gradient)."""
     model, images, labels, grads = victim
     rec, r = rebuild(model, grads, "dlg", 100)
     # DLG's 300 steps reach > 50 dB (benchmark); 100 steps gave 33 dB on one machine and > 25 dB at 60 on
