@@ -75,27 +75,27 @@ def execute(
 
     from privfl.determinism import deterministic_kernels
 
-    attack.prepare(targets)
-    bar = tqdm(
-        total=attack.steps_for(targets),
-        desc=desc or f"{attack.name} on {len(targets)} target(s)",
-        unit="step",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    with deterministic_kernels(deterministic):  # prepare too: a plug-in attack may compute there
+        attack.prepare(targets)  # loads its inputs: a damaged capture fails in one line, before any progress bar
+        bar = tqdm(
+            total=attack.steps_for(targets),
+            desc=desc or f"{attack.name} on {len(targets)} target(s)",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
 
-    def hook(label: str, step: int, steps: int, loss: float) -> None:
-        bar.update(1)
-        if step % 25 == 0 or step == steps - 1:
-            bar.set_postfix_str(f"{label} loss {loss:.3g}")
+        def hook(label: str, step: int, steps: int, loss: float) -> None:
+            bar.update(1)
+            if step % 25 == 0 or step == steps - 1:
+                bar.set_postfix_str(f"{label} loss {loss:.3g}")
 
-    start = time.perf_counter()
-    try:
-        with deterministic_kernels(deterministic):
+        start = time.perf_counter()
+        try:
             recons = attack.run_batch(targets, hook)
-    finally:
-        bar.close()
-    return recons, time.perf_counter() - start
+        finally:
+            bar.close()
+        return recons, time.perf_counter() - start
 
 
 def lpips_note() -> str:
@@ -156,6 +156,8 @@ def run_attack(
         attack = create_attack(attack, seed=seed, device=resolve_attack_device(device, deterministic), **(options or {}))
     elif options:
         raise ConfigError("pass options with an attack name, or configure the Attack instance yourself")
+    elif deterministic:
+        resolve_attack_device(attack.device, deterministic)  # an Attack the caller built: cuBLAS for its device
     selection = Selection(kind, None if round is None else [round], client_names(clients), max_targets)
     view = run.attacker
     plan = attack.plan(view, selection)
@@ -171,8 +173,6 @@ def run_attack(
     membership: dict[str, torch.Tensor] = {}
     if attack.needs.candidates or attack.needs.population:  # the membership game: the challenger hands over records
         membership = hand_over(run.ground_truth(data_root), run.dataset, targets, attack)
-    if deterministic:
-        resolve_attack_device(attack.device, deterministic)  # an Attack built by the caller: its device
     desc = f"{attack.name} {kind} r{rnd}: {len(targets)} target(s)"
     recons, seconds = execute(attack, targets, progress=progress, desc=desc, deterministic=deterministic)
 

@@ -61,7 +61,6 @@ import privfl  # noqa: E402
 from attacks import compare_artifacts, run_attack  # noqa: E402
 from attacks.runner import AttackReport  # noqa: E402
 from experiments.benchlib import RoundClock  # noqa: E402
-from privfl.capture import TensorStore  # noqa: E402
 from privfl.config import read_config_file  # noqa: E402
 from privfl.determinism import CUBLAS_WORKSPACE  # noqa: E402
 from privfl.run import Run  # noqa: E402
@@ -213,7 +212,7 @@ def bitwise_record(run: Run) -> tuple[list[dict[str, Any]], list[str]]:
     """What two bit-identical runs share: every round's metrics but its seconds, and the sha256 of every
     captured message."""
     rows = [{k: v for k, v in row.items() if k != "seconds"} for row in run.metrics]
-    return rows, [rec["sha256"] for rec in TensorStore(run.path / "capture", "capture").records()]
+    return rows, [rec["sha256"] for rec in run.capture.records()]
 
 
 def part_determinism(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from privfl import determinism
-from privfl.capture import TensorStore
 from privfl.config import load_saved_config
 from privfl.determinism import deterministic_kernels, prepare_cublas
 from privfl.engine import TrainCallback
 from privfl.errors import ConfigError
+from privfl.run import Run
 from privfl.train import build_parser
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import ROOT
+from tests.test_client_workers import _numbers
 from tests.test_train import needs_fmnist
 
 TINY = ["--subsample", "240", "--partition", "iid", "--num-clients", "3", "--batch-size", "32", "--rounds", "2", "--no-progress"]
@@ -29,10 +30,6 @@ TINY = ["--subsample", "240", "--partition", "iid", "--num-clients", "3", "--bat
 
 def _settings() -> dict:
     return determinism._current()
-
-
-def _numbers(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)]
 
 
 def test_the_kernels_are_deterministic_inside_the_block_and_restored_after_it_also_on_error() -> None:
@@ -102,7 +99,7 @@ def test_a_deterministic_cpu_run_trains_with_the_kernels_on_and_gives_the_plain_
 
 
 def _capture_hashes(run: Path) -> list[str]:
-    return [record["sha256"] for record in TensorStore(run / "capture", "capture").records()]
+    return [record["sha256"] for record in Run.open(run).capture.records()]
 
 
 @needs_fmnist
