@@ -35,6 +35,7 @@ from typing import Any
 from attacks.base import ATTACKS, KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Selection
 from attacks.dip import PAPER_SETTINGS
 from attacks.runner import AttackReport, run_attack
+from privfl.config import parse_scalar
 from privfl.errors import ConfigError, PrivflError
 from privfl.kinds import KINDS, Family
 from privfl.methods.base import FLMethod
@@ -265,7 +266,17 @@ class AttackJob:
     arguments: dict[str, Any]
 
 
-def attack_jobs(subject: Subject, profile: Profile, *, seed: int, device: str, data_root: str | None) -> list[AttackOutcome | AttackJob]:
+@dataclass(frozen=True)
+class JobSettings:
+    """What every attack job of one audit shares (:func:`attacks.run_attack`'s arguments of the same names)."""
+
+    seed: int = 0
+    device: str = "auto"
+    deterministic: bool = False  # torch's deterministic kernels while each attack runs (--deterministic)
+    data_root: str | None = None
+
+
+def attack_jobs(subject: Subject, profile: Profile, settings: JobSettings) -> list[AttackOutcome | AttackJob]:
     """Every registered attack on every kind the subject's run sends, at the audited rounds: an outcome
     already decided (nothing to attack, and why) or a job to run, in the report's order."""
     assert subject.run is not None
@@ -276,7 +287,7 @@ def attack_jobs(subject: Subject, profile: Profile, *, seed: int, device: str, d
     for name in ATTACKS.names():
         cls = ATTACKS.get(name)
         family = FAMILY_OF_OUTPUT[sorted(cls.produces)[0]]
-        probe = cls(seed=seed)
+        probe = cls(seed=settings.seed)
         for kind in view.kinds():
             if not cls.takes(kind):
                 continue
@@ -301,10 +312,11 @@ def attack_jobs(subject: Subject, profile: Profile, *, seed: int, device: str, d
                     "clients": clients,
                     "max_targets": profile.max_targets,
                     "options": _options_for(cls, profile.attack_options.get(name, {})),
-                    "seed": seed,
-                    "device": device,
+                    "seed": settings.seed,
+                    "device": settings.device,
+                    "deterministic": settings.deterministic,
                     "name": f"audit-{name}-{kind}-r{rnd}",
-                    "data_root": data_root,
+                    "data_root": settings.data_root,
                 }
                 out.append(AttackJob(outcome, subject, arguments))
     return out
@@ -334,12 +346,10 @@ def _finish(job: AttackJob, result: tuple[AttackReport | None, str, str, float],
         log(f"  {job.subject.label}: {a['attack']} on {a['kind']} r{a['round']}: {headline(outcome)}")
 
 
-def attack_run(
-    subject: Subject, profile: Profile, *, seed: int, device: str, progress: bool, data_root: str | None, log: Callable[[str], None]
-) -> None:
+def attack_run(subject: Subject, profile: Profile, settings: JobSettings, *, progress: bool, log: Callable[[str], None]) -> None:
     """Every registered attack on every kind the subject's run sends, at the audited rounds (in this process)."""
     assert subject.run is not None
-    for job in attack_jobs(subject, profile, seed=seed, device=device, data_root=data_root):
+    for job in attack_jobs(subject, profile, settings):
         if isinstance(job, AttackOutcome):
             subject.outcomes.append(job)
         else:
@@ -427,6 +437,7 @@ def audit(
     out: str | Path = "runs/audit",
     device: str = "auto",
     seed: int = 0,
+    deterministic: bool = False,
     train_options: dict[str, Any] | None = None,
     data_root: str | None = None,
     progress: bool = True,
@@ -440,7 +451,12 @@ def audit(
 
     ``train_options`` are run options for the audited training (dataset, model_group, num_clients,
     method options...); the references take the same data, partition and seed. ``out`` must not be an
-    existing audit folder with results (nothing is overwritten)."""
+    existing audit folder with results (nothing is overwritten).
+
+    ``deterministic``: torch's deterministic kernels (``privfl/determinism.py``) in the trainings (the
+    references copy it) and in every attack job, so that a GPU repeats the whole audit to the bit. The
+    attacks also take it from the audited training's own options: ``train_options={"deterministic": True}``,
+    or a ``run=`` trained with ``--deterministic`` (its references are then trained with it too)."""
     from privfl.methods import check_method_class, resolve_method
 
     pool = workers if isinstance(workers, Workers) else Workers(int(workers))
@@ -482,6 +498,9 @@ def audit(
         from defenses import parse_defense
 
         parse_defense(spec)  # one-line error before anything is trained
+    if deterministic:
+        values["deterministic"] = True  # the trainings here (the references too)
+    settings = JobSettings(seed, device, _deterministic(values), data_root)
     refs = references_for(method_cls, compare, method_name)
     for ref in refs:
         resolve_method(ref)
@@ -498,12 +517,20 @@ def audit(
         created = False
     try:
         if pool.count > 1:
-            return _audit_in_workers(subjects, values, prof, out, pool, seed=seed, device=device, data_root=data_root, log=log)
-        return _audit_subjects(subjects, values, prof, out, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
+            return _audit_in_workers(subjects, values, prof, out, pool, settings, log=log)
+        return _audit_subjects(subjects, values, prof, out, settings, progress=progress, log=log)
     except PrivflError:
         if created and not any((out / "runs").glob("*/config.json")):
             shutil.rmtree(out, ignore_errors=True)  # this invocation made it and trained nothing into it: leave no empty folder
         raise
+
+
+def _deterministic(values: dict[str, Any]) -> bool:
+    """Whether the audited training's options ask for deterministic kernels (a run's config, or ``--train``'s text)."""
+    try:
+        return bool(parse_scalar(values.get("deterministic", False), bool))
+    except ValueError:
+        raise ConfigError(f"deterministic={values['deterministic']!r}: expected true or false") from None
 
 
 def _subject_values(subject: Subject, values: dict[str, Any]) -> dict[str, Any]:
@@ -520,10 +547,8 @@ def _audit_in_workers(
     prof: Profile,
     out: Path,
     workers: Workers,
+    settings: JobSettings,
     *,
-    seed: int,
-    device: str,
-    data_root: str | None,
     log: Callable[[str], None],
 ) -> AuditResult:
     """:func:`_audit_subjects` with the trainings, then the attack jobs, spread over ``workers`` processes
@@ -549,7 +574,7 @@ def _audit_in_workers(
                 continue
             subject.run = Run(run_dir)
             log(f"[{i}/{len(subjects)}] trained {subject.label} ({subject.role}) in {subject.train_seconds:.1f} s")
-        planned = [(s, s.run.path, attack_jobs(s, prof, seed=seed, device=device, data_root=data_root)) for s in subjects if s.run is not None]
+        planned = [(s, s.run.path, attack_jobs(s, prof, settings)) for s in subjects if s.run is not None]
         results = {id(j): pool.submit(_attack, str(path), j.arguments, False) for _, path, jobs in planned for j in jobs if isinstance(j, AttackJob)}
         for subject, _, jobs in planned:
             for job in jobs:
@@ -557,7 +582,7 @@ def _audit_in_workers(
                     subject.outcomes.append(job)
                 else:
                     _finish(job, results[id(job)].result(), log)
-    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=seed)
+    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=settings.seed)
     return AuditResult(report, out, html, json_path, subjects)
 
 
@@ -566,11 +591,9 @@ def _audit_subjects(
     values: dict[str, Any],
     prof: Profile,
     out: Path,
+    settings: JobSettings,
     *,
-    seed: int,
-    device: str,
     progress: bool,
-    data_root: str | None,
     log: Callable[[str], None],
 ) -> AuditResult:
     """Train what is not trained yet, attack every subject, write the report."""
@@ -587,9 +610,10 @@ def _audit_subjects(
                     raise
                 log(f"  {subject.label}: not trained: {exc}")
                 continue
-        attack_run(subject, prof, seed=seed, device=device, progress=progress, data_root=data_root, log=log)
-    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=seed)
+        attack_run(subject, prof, settings, progress=progress, log=log)
+    report, html, json_path = write_audit(out, subjects, prof, seconds=time.perf_counter() - start, seed=settings.seed)
     return AuditResult(report, out, html, json_path, subjects)
 
 
-__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "Profile", "Subject", "Workers", "audit", "audited_rounds", "predict", "references_for"]
+__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "JobSettings", "Profile", "Subject", "Workers", "audit", "audited_rounds", "predict"]
+__all__ += ["references_for"]

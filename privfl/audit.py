@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="report folder (default: runs/audit-METHOD-TIME); must not hold a report")
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=0, help="fixes partitions, initialisations and every attack")
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels in all trainings and attacks: a GPU repeats the audit")
     p.add_argument("--data-root", help="where the dataset lives, if not its standard place")
     p.add_argument("--check", action="store_true", help="train one tiny round and say which attacks apply and what to declare")
     p.add_argument("--schema", action="store_true", help="print the JSON schema of report.json and exit")
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"audit-{name}-{datetime.now():%Y%m%d-%H%M%S}"
     compare = [m.strip() for m in args.compare.split(",")] if args.compare is not None else None
     result = audit(args.method, run=args.run, profile=args.profile, compare=compare, defenses=args.defense, out=out, device=args.device,
-                   seed=args.seed, train_options=options, data_root=args.data_root, progress=not args.no_progress, workers=workers)  # fmt: skip
+                   seed=args.seed, deterministic=args.deterministic, train_options=options, data_root=args.data_root,
+                   progress=not args.no_progress, workers=workers)  # fmt: skip
     print_summary(result.report)
     print(f"report: {result.html}")
     return 0

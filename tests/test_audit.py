@@ -227,3 +227,55 @@ def test_workers_are_checked_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == "privfl.audit: error: --workers must be >= 1 and --threads-per-worker >= 0, got 0 and 0"
     assert not (tmp_path / "a").exists()
+
+
+def test_deterministic_reaches_every_attack_job_the_attack_itself_and_the_trainings(audited, monkeypatch, tmp_path, capsys):
+    """``--deterministic`` on the audit: each job's arguments carry it, an attack run from one records it,
+    the trainings' options take it, and a training option of text that is not a bool is one line."""
+    import torch
+
+    import attacks.audit as audit_module
+    from attacks.audit import AttackJob, JobSettings, _attack, _deterministic, _subject_values
+
+    result, _ = audited
+    subject = result.subjects[0]
+    jobs = [j for j in audit_module.attack_jobs(subject, TINY, JobSettings(0, "cpu", True)) if isinstance(j, AttackJob)]
+    assert jobs and all(j.arguments["deterministic"] is True for j in jobs)
+    plain = [j for j in audit_module.attack_jobs(subject, TINY, JobSettings(0, "cpu")) if isinstance(j, AttackJob)]
+    assert [j.arguments["deterministic"] for j in plain] == [False] * len(jobs)
+
+    from attacks.base import ATTACKS
+
+    labels = next(j for j in jobs if j.outcome.family == "labels")
+    seen: list[bool] = []
+    cls = ATTACKS.get(labels.arguments["attack"])
+    real_run_batch = cls.run_batch
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real_run_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run_batch", spy)
+    report, reason, _, _ = _attack(subject.run, {**labels.arguments, "name": "det-check"}, False)
+    assert reason == "" and report is not None and report.protocol["deterministic"] is True and seen == [True]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the attack
+
+    assert _deterministic({"deterministic": "true"}) and not _deterministic({}) and _deterministic({"deterministic": True})
+    values = {"deterministic": True, "seed": 0, "rounds": 2}
+    assert _subject_values(audit_module.Subject("reference", "local"), values)["deterministic"] is True
+
+    from privfl.audit import main
+
+    code = run_cli("privfl.audit", lambda: main(["fedavg", "--train", "deterministic=maybe", "--out", str(tmp_path / "a")]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "privfl.audit: error: deterministic='maybe': expected true or false" and not (tmp_path / "a").exists()
+
+    calls: list[dict] = []
+
+    def record(*args, **kwargs):
+        calls.append(kwargs)
+        raise SystemExit(0)  # what the CLI passes is all this checks
+
+    monkeypatch.setattr(audit_module, "audit", record)
+    run_cli("privfl.audit", lambda: main(["fedavg", "--deterministic", "--out", str(tmp_path / "b")]))
+    assert calls and calls[0]["deterministic"] is True
