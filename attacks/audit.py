@@ -615,5 +615,16 @@ def _audit_subjects(
     return AuditResult(report, out, html, json_path, subjects)
 
 
-__all__ = ["PROFILES", "AttackOutcome", "AuditResult", "JobSettings", "Profile", "Subject", "Workers", "audit", "audited_rounds", "predict"]
-__all__ += ["references_for"]
+__all__ = [
+    "PROFILES",
+    "AttackOutcome",
+    "AuditResult",
+    "JobSettings",
+    "Profile",
+    "Subject",
+    "Workers",
+    "audit",
+    "audited_rounds",
+    "predict",
+    "references_for",
+]
