@@ -1,9 +1,12 @@
 """Train like ``python -m privfl.train ARGS`` and die mid-round, for the kill-and-resume tests.
 
-    python -m tests.killer ROUND MESSAGES ARGS...
+    python -m tests.killer [--write-early] ROUND MESSAGES ARGS...
 
 The process exits with status 137 (``os._exit``: no cleanup, no flush, as a SIGKILL would) right after
-the MESSAGES-th message of round ROUND was delivered and captured. The fault comes through the
+the MESSAGES-th message of round ROUND was delivered and captured. The stores keep a round's records in
+memory until the round is committed, so such a kill leaves none of them on disk; ``--write-early`` sets
+their ``PENDING_LIMIT`` to 0, so every record is written as it is appended, as in a round whose blobs
+outgrow the limit, and the kill leaves uncommitted records for ``--resume`` to drop. The fault comes through the
 engine's explicit callback hook (:class:`privfl.engine.TrainCallback`), not through the environment.
 """
 
@@ -47,5 +50,11 @@ class InterruptAfter(KillAfter):
 
 
 if __name__ == "__main__":
-    rnd, count, *argv = sys.argv[1:]
+    args = sys.argv[1:]
+    if args[:1] == ["--write-early"]:
+        import privfl.capture.store
+
+        privfl.capture.store.PENDING_LIMIT = 0
+        args = args[1:]
+    rnd, count, *argv = args
     sys.exit(main(argv, callbacks=[KillAfter(int(rnd), int(count))]))

@@ -40,8 +40,11 @@ def test_store_roundtrip_dedupe_and_flipped_byte(tmp_path):
     a = store.append(cap(), t)
     b = store.append(cap(), t)
     assert a["sha256"] == b["sha256"] and (a["seq"], b["seq"]) == (0, 1)
-    assert len(list((tmp_path / "cap" / "blobs").rglob("*.safetensors"))) == 1  # content-addressed
-    assert torch.equal(store.load(a)["w"], t["w"])
+    blobs = tmp_path / "cap" / "blobs"
+    # kept in memory until the round is committed (or read back, or PENDING_LIMIT bytes are held)
+    assert not list(blobs.rglob("*.safetensors")) and (tmp_path / "cap" / "index.jsonl").read_bytes() == b""
+    assert torch.equal(store.load(a)["w"], t["w"])  # this object reads its own appends
+    assert len(list(blobs.rglob("*.safetensors"))) == 1  # content-addressed
     assert any("uncommitted: 2 record(s)" in p for p in store.verify())  # written, round not completed
     store.flush()
     assert store.verify() == []
@@ -53,6 +56,25 @@ def test_store_roundtrip_dedupe_and_flipped_byte(tmp_path):
     assert len(problems) == 2 and all("checksum mismatch" in p for p in problems)
     with pytest.raises(CaptureError, match="checksum"):
         store.load(a)
+
+
+def test_store_writes_at_the_round_commit_or_past_its_memory_limit(tmp_path, monkeypatch):
+    """Appends are written when the round is committed (flush): another reader sees nothing of the
+    round before, everything after; past PENDING_LIMIT bytes the blobs and lines go out early."""
+    import privfl.capture.store as store_module
+
+    store = TensorStore(tmp_path / "cap", "capture", create=True)
+    reader = TensorStore(tmp_path / "cap", "capture")
+    store.append(cap(), {"w": torch.randn(8)})
+    assert reader.records() == [] and not list((tmp_path / "cap" / "blobs").rglob("*.safetensors"))
+    store.flush()
+    assert [r["seq"] for r in reader.records()] == [0] and reader.verify() == []
+    monkeypatch.setattr(store_module, "PENDING_LIMIT", 10)
+    rec = store.append(cap(), {"w": torch.randn(8)})  # over the limit: written at once, not committed
+    assert store.blob_path(rec["sha256"]).is_file() and [r["seq"] for r in reader.records()] == [0, 1]
+    assert any("uncommitted: 1 record(s)" in p for p in reader.verify())
+    store.flush()
+    assert reader.verify() == []
 
 
 def test_store_refuses_foreign_folders_and_bad_index(tmp_path):
@@ -170,3 +192,9 @@ def test_portable_tensors_are_unshared_cpu_copies_that_safetensors_writes():
     assert list(portable) == ["r0", "r1", "r1_again", "r2"]
     assert len({t.untyped_storage().data_ptr() for t in portable.values()}) == 4
     assert all(torch.equal(v, batch[int(k[1])]) for k, v in load(save(portable)).items())
+    # a tensor that owns its whole storage is written as it is; the same tensor under a second name is copied
+    whole = torch.arange(6.0)
+    kept = portable_tensors({"a": whole, "b": whole, "empty": torch.empty(0), "empty2": torch.empty(0)})
+    assert kept["a"].untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert kept["b"].untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    assert torch.equal(load(save(kept))["b"], whole)

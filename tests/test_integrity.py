@@ -166,12 +166,15 @@ def test_capture_cli_verify_exit_status(base_run, tmp_path, capsys):
     assert "head.json is missing" in capsys.readouterr().out
 
 
-def _killed_run(tmp_path: Path) -> Path:
-    """A 2-round FedRE run killed (os._exit, nothing flushed) after 4 messages of round 1."""
-    argv = ["fedre", *TINY, "--out-dir", str(tmp_path), "--run-name", "killed"]
-    proc = subprocess.run([sys.executable, "-m", "tests.killer", "1", "4", *argv], check=False, env=ENV, cwd=ROOT, capture_output=True, text=True)
+def _killed_run(tmp_path: Path, *, write_early: bool = True, name: str = "killed") -> Path:
+    """A 2-round FedRE run killed (os._exit, nothing flushed) after 4 messages of round 1; ``write_early``:
+    its stores write every record as it comes (``tests/killer.py``), so the kill leaves uncommitted ones."""
+    argv = ["fedre", *TINY, "--out-dir", str(tmp_path), "--run-name", name]
+    early = ["--write-early"] if write_early else []
+    cmd = [sys.executable, "-m", "tests.killer", *early, "1", "4", *argv]
+    proc = subprocess.run(cmd, check=False, env=ENV, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 137, proc.stderr[-2000:]
-    return tmp_path / "killed"
+    return tmp_path / name
 
 
 def resume(run: Path) -> subprocess.CompletedProcess:
@@ -184,6 +187,8 @@ def resume(run: Path) -> subprocess.CompletedProcess:
 def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path):
     killed = _killed_run(tmp_path)
     assert not verify_run(killed).ok  # uncommitted records of the interrupted round
+    clean = _killed_run(tmp_path, write_early=False, name="kept-in-memory")
+    assert verify_run(clean).ok  # the same kill with the stores' default: the round's records never reached the disk
     damaged = tmp_path / "damaged"
     shutil.copytree(killed, damaged)
     recs = lines(damaged / "capture" / "index.jsonl")
