@@ -26,8 +26,8 @@ refuses any other damage: a resumed run must never build on an index it cannot v
 When: :meth:`TensorStore.append` serialises and hashes at once (the record it returns is final) but keeps
 the blob and the index line in memory; :meth:`TensorStore.flush`, at the end of every round, writes them
 (blobs first), fsyncs the index and commits ``head.json``. A round's records are uncommitted until then
-in any case, so a kill loses nothing a resume would have kept. The store writes early when it holds more
-than ``PENDING_LIMIT`` bytes of blobs (a round of full models of many clients) and when the same object
+in any case, so a kill loses nothing a resume would have kept. The store writes early when it holds at least
+``PENDING_LIMIT`` bytes of blobs (a round of full models of many clients) and when the same object
 reads (:meth:`TensorStore.records`, :meth:`TensorStore.scan`, :meth:`TensorStore.load`). Why: creating a
 small file costs a few hundred microseconds while clients train in other threads on the same cores, and
 a FedRE run creates over twenty a round; kept to the round's end (and with no copy of tensors that
@@ -62,11 +62,10 @@ from privfl.errors import CaptureError
 
 FORMAT = "privfl-store/2"
 LEGACY_FORMATS = ("privfl-store/1",)  # unchained index, no head: readable, not fully verifiable
-
-#: bytes of blobs a store keeps in memory before writing them out ahead of the round's end
-PENDING_LIMIT = 64 * 1024 * 1024
 ROLES = ("capture", "knowledge", "truth")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: bytes of blobs a store keeps in memory before writing them out ahead of the round's end
+PENDING_LIMIT = 64 * 1024 * 1024
 _MAX_JSON_LINE = 1 << 24  # 16 MiB: far above any real record, refuses a file that is one huge line
 
 #: fields every record of a role carries, with their JSON types (checked on read, so that nothing
@@ -91,10 +90,9 @@ ROLE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, make_parent: bool = True) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
-    if make_parent:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -279,7 +277,6 @@ class TensorStore:
         self._pending_blobs: dict[str, bytes] = {}
         self._pending_bytes = 0
         self._pending_lines: list[str] = []
-        self._blob_dirs: set[str] = set()  # blob folders this object has made or seen
 
     def _check_manifest(self, manifest: Path) -> str:
         if not manifest.is_file() and not manifest.is_symlink():
@@ -339,7 +336,7 @@ class TensorStore:
         self._pending_lines.append(json.dumps(full, sort_keys=True) + "\n")
         self._next_seq += 1
         self._chain = full.get("chain", self._chain)
-        if self._pending_bytes > PENDING_LIMIT:
+        if self._pending_bytes >= PENDING_LIMIT:  # at 0 (tests.killer --write-early): every record at once
             self.write_pending()
         return full
 
@@ -347,11 +344,7 @@ class TensorStore:
         """Write the blobs and index lines :meth:`append` has kept, blobs first (each atomically), then
         the lines in one append. Nothing is committed here (:meth:`flush` does that)."""
         for digest, data in self._pending_blobs.items():
-            path = self.blob_path(digest)
-            if digest[:2] not in self._blob_dirs:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._blob_dirs.add(digest[:2])
-            atomic_write_bytes(path, data, make_parent=False)
+            atomic_write_bytes(self.blob_path(digest), data)
         self._pending_blobs.clear()
         self._pending_bytes = 0
         if self._pending_lines:
