@@ -46,6 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
+def pythonpath(first: Path = ROOT) -> str:
+    """PYTHONPATH for a test's subprocess: ``first`` (the checkout) ahead of the caller's own entries, so
+    dependencies installed through PYTHONPATH (``pip install --target DIR``, as on a lent GPU machine) stay
+    importable there."""
+    return os.pathsep.join([str(first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -69,7 +76,7 @@ def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[d
     costs no torch imports. Either way all parts compute on one thread, so float reductions agree bit for bit."""
     from privfl.capture import TensorStore
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
     def run(cmd: list[str], expect: int = 0) -> None:
         done = subprocess.run([sys.executable, *cmd], check=False, env=env, cwd=ROOT, capture_output=True, text=True)

@@ -256,9 +256,10 @@ def test_deterministic_reaches_every_attack_job_the_attack_itself_and_the_traini
         return real_run_batch(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "run_batch", spy)
+    before = torch.are_deterministic_algorithms_enabled()  # on in the whole session where CUDA is (conftest)
     report, reason, _, _ = _attack(subject.run, {**labels.arguments, "name": "det-check"}, False)
     assert reason == "" and report is not None and report.protocol["deterministic"] is True and seen == [True]
-    assert not torch.are_deterministic_algorithms_enabled()  # restored after the attack
+    assert torch.are_deterministic_algorithms_enabled() == before  # restored after the attack
 
     assert _deterministic({"deterministic": "true"}) and not _deterministic({}) and _deterministic({"deterministic": True})
     values = {"deterministic": True, "seed": 0, "rounds": 2}

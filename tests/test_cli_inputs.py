@@ -18,6 +18,7 @@ from privfl.errors import ConfigError
 from privfl.methods import METHODS
 from privfl.train import main as train_main
 from privfl.train import train as train_api  # what privfl.train(...) calls
+from tests.conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -291,7 +292,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
     """``| head -1`` and a reader that is gone before anything is written (``| true``): no traceback, no
     'Exception ignored' at exit, status 0. PYTHONUNBUFFERED is unset: the final flush is what fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     command = " ".join([sys.executable, "-m", *argv])
     for reader in ("head -1", "true"):
         proc = subprocess.run(
@@ -304,7 +305,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
 
 def test_an_error_with_stdout_closed_is_still_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env.update(PYTHONPATH=str(ROOT))
+    env.update(PYTHONPATH=pythonpath())
     cmd = f"{sys.executable} -m privfl.train fedre --batch-size 0 | true; exit ${{PIPESTATUS[0]}}"
     proc = subprocess.run(["bash", "-c", cmd], check=False, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert (proc.returncode, proc.stderr) == (2, "privfl.train: error: option batch_size: must be >= 1, got 0\n")

@@ -18,10 +18,11 @@ from privfl.cli import run_cli
 from privfl.errors import CaptureError, ConfigError
 from privfl.train import main as train_main
 from privfl.verify import verify_run
+from tests.conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--subsample", "600", "--num-clients", "3", "--rounds", "2", "--no-progress", "--batch-size", "32"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

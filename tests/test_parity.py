@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 PARITY = ROOT / "experiments" / "parity"
 #: HtFLlib's FedAvgCNN(in_features=1, dim=1024) with its fc swapped for Linear(512, 10) (BaseHeadSplit)
@@ -372,7 +374,7 @@ def test_pfllib_launcher_runs_main_py_reports_client_0s_model_and_the_results(tm
     log = tmp_path / "work" / "fedavg.log"
     cmd = [sys.executable, str(PARITY / "pfllib_launch.py"), "--system", str(system), "--threads", "1", "--result", str(tmp_path / "r.json")]
     cmd += ["--", "-data", "FashionMNIST_privfl_s0", "-algo", "FedAvg", "-go", "parity"]
-    env = {**__import__("os").environ, "PYTHONPATH": str(fake), "OMP_NUM_THREADS": "4"}
+    env = {**__import__("os").environ, "PYTHONPATH": pythonpath(fake), "OMP_NUM_THREADS": "4"}
     with open(log, "w") as fh:
         assert subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode == 0, log.read_text()
     text = log.read_text()
@@ -534,7 +536,7 @@ def test_launcher_completes_the_authors_fedre_and_keeps_the_thread_count(tmp_pat
     fake = _fake_h5py(tmp_path / "fake")
     cwd = tmp_path / "work" / "cwd"
     cwd.mkdir(parents=True)
-    env = {**__import__("os").environ, "PYTHONPATH": str(fake)}
+    env = {**__import__("os").environ, "PYTHONPATH": pythonpath(fake)}
 
     def launch(*extra: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(PARITY / "htfllib_launch.py"), "--system", str(system), "--threads", "2", "--model", "Net()", *extra]

@@ -17,6 +17,7 @@ from privfl.cli import run_cli
 from privfl.methods import METHODS
 from privfl.models import build_model
 from privfl.train import main as train_main
+from tests.conftest import pythonpath
 from tests.fakedata import write_cifar100, write_tinyimagenet
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -289,7 +290,7 @@ def test_paper_configs_are_valid(path):
 
 
 def test_real_processes_exit_2_with_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     for argv in (["privfl.train", "fedrex"], ["privfl.capture", "--run", str(tmp_path / "none"), "verify"]):
         proc = subprocess.run([sys.executable, "-m", *argv], check=False, env=env, cwd=tmp_path, capture_output=True, text=True)
         assert proc.returncode == 2, proc.stderr
