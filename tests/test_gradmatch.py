@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attacks.gradleak import GradLeakConfig, functional_gradient, leak, leak_batch, model_gradient
-from attacks.gradmatch import LinearTap, Observed, distance, find_linear_taps, observe
+from attacks.gradmatch import LinearTap, Observed, distance, find_linear_taps, low_rank, observe
 from attacks.metrics import psnr
 
 
@@ -62,16 +62,19 @@ def test_taps_are_the_layers_whose_gradient_is_one_product(setting):
     assert find_linear_taps(nn.Sequential(Scaled(16, 16)), ["0.weight"], torch.zeros(1, 16)) == []  # its own forward
 
 
+@pytest.mark.parametrize("rtol", [0.0, 1e-6], ids=["full-G", "low-rank-G"])
 @pytest.mark.parametrize("cosine", [False, True], ids=["squared", "cosine"])
-def test_factored_objective_equals_the_materialised_one(setting, cosine):
+def test_factored_objective_equals_the_materialised_one(setting, cosine, rtol):
     model, names, target, taps = setting
+    if rtol:  # fc (48 x 64, two rows: rank 2) and mix (two calls: rank 4) have factors; head (5 x 48) is too narrow
+        assert sorted(observe(target, names, taps, rtol).low_u) == ["fc.weight", "mix.weight"]
     params = dict(model.named_parameters())
     x = torch.randn(2, 1, 6, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
     y_logit = torch.randn(2, 5, generator=torch.Generator().manual_seed(2), requires_grad=True)
     out = []
     no_taps: list[LinearTap] = []
     for t in (no_taps, taps):
-        loss = distance(model_gradient(model, params, x, F.softmax(y_logit, 1), taps=t), observe(target, names, t), cosine)
+        loss = distance(model_gradient(model, params, x, F.softmax(y_logit, 1), taps=t), observe(target, names, t, rtol), cosine)
         out.append((loss.detach(), *torch.autograd.grad(loss, [x, y_logit])))
     (l0, gx0, gy0), (l1, gx1, gy1) = out
     assert l1.dtype == l0.dtype == torch.float32
@@ -86,11 +89,58 @@ def test_factored_objective_equals_the_materialised_one(setting, cosine):
     def per_problem(xp: torch.Tensor, tp: Observed) -> torch.Tensor:
         return distance(functional_gradient(model, state, names, xp, y_soft, 1, 0.1, taps), tp, cosine)
 
-    losses = torch.func.vmap(per_problem)(xs, Observed.stack([observe(target, names, taps), observe(scaled, names, taps)]))
+    losses = torch.func.vmap(per_problem)(xs, Observed.stack([observe(target, names, taps, rtol), observe(scaled, names, taps, rtol)]))
     (gxs,) = torch.autograd.grad(losses.sum(), [xs])
     assert torch.allclose(losses[0], l0, rtol=1e-5) and torch.allclose(gxs[0], gx0, rtol=1e-4, atol=1e-7)
     plain = distance(model_gradient(model, params, x, y_soft), observe(scaled, names), cosine)
     assert torch.allclose(losses[1], plain, rtol=1e-5)
+
+
+def test_low_rank_finds_the_rank_of_a_gradient_and_refuses_noise():
+    """A float32 sum of r outer products (a victim's gradient on r samples) factors at rank r within the
+    tolerance, the same factors every time; noise of a DP defense, a too narrow matrix, a NaN and rtol 0
+    give None."""
+    gen = torch.Generator().manual_seed(0)
+    for r in (1, 3):
+        g = (torch.randn(96, r, generator=gen) @ torch.randn(r, 200, generator=gen)).double()
+        factors = low_rank(g, 1e-6)
+        assert factors is not None
+        u, v = factors
+        assert u.shape == (96, r) and v.shape == (200, r)
+        assert torch.linalg.matrix_norm(g - u @ v.T) <= 1e-6 * torch.linalg.matrix_norm(g)
+        again = low_rank(g, 1e-6)
+        assert again is not None and torch.equal(again[0], u) and torch.equal(again[1], v)
+    noised = g + 1e-4 * g.abs().mean() * torch.randn(96, 200, generator=gen, dtype=torch.float64)
+    assert low_rank(noised, 1e-6) is None and low_rank(noised, 1e-2) is not None  # a loose tolerance takes it
+    assert low_rank(g, 0.0) is None and low_rank(g[:7], 1e-6) is None and low_rank(g * float("nan"), 1e-6) is None
+    wide = (torch.randn(96, 20, generator=gen) @ torch.randn(20, 200, generator=gen)).double()
+    assert low_rank(wide, 1e-6) is None  # rank 20 > 96 / 8: the factors would save little
+
+
+def test_problems_without_factors_make_the_stack_match_every_problem_through_g(setting):
+    """Stacking a target that has factors with a noised one that has none: every problem is matched through
+    its own G, with the loss each has alone."""
+    model, names, target, taps = setting
+    gen = torch.Generator().manual_seed(5)
+    noised = {n: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=gen) for n, v in target.items()}
+    one, other = observe(target, names, taps, 1e-6), observe(noised, names, taps, 1e-6)
+    assert one.low_u and not other.low_u
+    stacked = Observed.stack([one, other])
+    assert not stacked.low_u and sorted(stacked.gram) == sorted(n for n in one.gram_sq)
+    both = Observed.stack([one, one])
+    assert sorted(both.low_u) == sorted(one.low_u) and "fc.weight" not in both.gram
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x = torch.randn(2, 1, 6, 6, generator=gen)
+    y_soft = F.softmax(torch.randn(2, 5, generator=gen), 1)
+
+    def per_problem(tp: Observed) -> torch.Tensor:
+        return distance(functional_gradient(model, params, names, x, y_soft, 1, 0.1, taps), tp, False)
+
+    losses = torch.func.vmap(per_problem)(stacked)
+    live = dict(model.named_parameters())
+    alone = [distance(model_gradient(model, live, x, y_soft, taps=taps), o, False).detach() for o in (one, other)]
+    assert torch.allclose(losses, torch.stack(alone), rtol=1e-5)
+    assert torch.allclose(torch.func.vmap(per_problem)(stacked.rows(torch.tensor([1]))), alone[1].view(1), rtol=1e-5)
 
 
 def test_without_taps_the_objective_is_the_materialised_sum(setting):
