@@ -15,7 +15,10 @@ end on different images of the same quality: the comparison is the PSNR of every
 how many converge (> 30 dB), against the time per image. ``--cnn4 N`` adds DLG on a 582,026-parameter
 ``cnn4`` (Fashion-MNIST, batch 1) for N images: one at a time with every gradient materialised (the
 attack when the speed issue was filed) against ``--cnn4-batch`` and N at a time with the wide linear
-layer factored (:mod:`attacks.gradmatch`), and N at once materialised.
+layer factored (:mod:`attacks.gradmatch`), and N at once materialised. ``--filed-code REV`` adds the same
+N images one at a time by the code of the day issue 17 was filed (default 645289a: its ``leak()``,
+run from ``git archive REV`` in a child process, the same model, images, seeds and steps), the
+baseline goal 2's "5x today's speed" is measured against; ``--filed-code ''`` skips it.
 
     python experiments/bench_dlg.py [--steps 300] [--image 0] [--images 8] [--cnn4 32 --cnn4-steps 30 --cnn4-batch 8] [--skip-single]
 """
@@ -23,7 +26,12 @@ layer factored (:mod:`attacks.gradmatch`), and N at once materialised.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +73,44 @@ def reference_dlg(model, target_grads, x0, y0, steps):
     return dummy_data.detach()
 
 
+#: DLG on cnn4, one image at a time with ``leak()``, written against the APIs the filed code already had
+#: (run with that code first on sys.path); prints seconds per image and each PSNR as JSON
+FILED_CHILD = """
+import json, sys, time
+import torch, torch.nn.functional as F
+from attacks.gradleak import GradLeakConfig, leak
+from attacks.metrics import psnr
+from privfl.data import load_dataset
+from privfl.models import build_model
+n, steps = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+model = build_model("cnn4", in_channels=1, num_classes=10, image_size=28, rep_dim=512, mapping="ap")
+ds = load_dataset("fashionmnist")
+images, labels = ds.images[-n:].float().div(255), ds.labels[-n:]
+names = [k for k, _ in model.named_parameters()]
+targets = []
+for i in range(n):
+    grads = torch.autograd.grad(F.cross_entropy(model((images[i : i + 1] - 0.5) / 0.5), labels[i : i + 1]), list(model.parameters()))
+    targets.append({k: g.detach() for k, g in zip(names, grads)})
+cfg = GradLeakConfig.preset("dlg", steps=steps)
+t0 = time.perf_counter()
+results = [leak(model, targets[i], (1, 28, 28), 10, cfg, seed=i) for i in range(n)]
+seconds = (time.perf_counter() - t0) / n
+print(json.dumps({"seconds": seconds, "psnr": [psnr((r.images * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(results)]}))
+"""
+
+
+def filed_code(rev: str, n: int, steps: int) -> dict:
+    """``FILED_CHILD`` run by the tree of commit ``rev`` (``git archive``) in a child process."""
+    with tempfile.TemporaryDirectory(prefix="privfl-filed-") as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        done = subprocess.run([sys.executable, "-c", FILED_CHILD, str(n), str(steps)], cwd=tmp, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
@@ -74,6 +120,7 @@ def main() -> int:
     p.add_argument("--cnn4-steps", type=int, default=30)
     p.add_argument("--cnn4-batch", type=int, default=8, help="targets together in smaller groups (--batch's default until 2026-11-27)")
     p.add_argument("--skip-single", action="store_true", help="skip the first part (one image, privfl vs reference)")
+    p.add_argument("--filed-code", default="645289a", help="commit whose leak() is the cnn4 part's 'as filed' row ('': skip it)")
     args = p.parse_args()
     model = SigmoidLeNet(3, 100, 32).init_uniform(torch.Generator().manual_seed(0))
     if not args.skip_single:
@@ -81,7 +128,7 @@ def main() -> int:
     if args.images > 0:
         many_images(model, args.images, args.steps)
     if args.cnn4 > 0:
-        cnn4_images(args.cnn4, args.cnn4_steps, args.cnn4_batch)
+        cnn4_images(args.cnn4, args.cnn4_steps, args.cnn4_batch, args.filed_code)
     return 0
 
 
@@ -181,7 +228,7 @@ def many_images(model, n: int, steps: int) -> None:
     )
 
 
-def cnn4_images(n: int, steps: int, batch: int) -> None:
+def cnn4_images(n: int, steps: int, batch: int, filed: str = "") -> None:
     """DLG on the 582,026-parameter cnn4 (Fashion-MNIST, batch 1), four ways on the same n images and
     initial dummies: one at a time with every gradient materialised (the attack as it was when the speed
     issue was filed), ``batch`` at a time and all n at once with the wide linear layer factored
@@ -231,6 +278,22 @@ def cnn4_images(n: int, steps: int, batch: int) -> None:
     for label in (grouped, best):
         print(f"time per image ratio {label} / {base}: {seconds[label] / seconds[base]:.3f}")
     print(f"time per image ratio {best} / {plain}: {seconds[best] / seconds[plain]:.3f} (factoring alone)")
+    if filed:
+        as_filed = f"filed code {filed}, 1 at a time"
+        child = filed_code(filed, n, steps)
+        seconds[as_filed], psnrs[as_filed] = child["seconds"], child["psnr"]
+        print(f"{as_filed:32s} {seconds[as_filed]:8.2f} {'-':>7s}  {summary(psnrs[as_filed])}")
+        print(f"time per image ratio {best} / {as_filed}: {seconds[best] / seconds[as_filed]:.3f} ({seconds[as_filed] / seconds[best]:.1f}x faster)")
+        record(
+            "dlg-cnn4-filed",
+            f"seconds per image, cnn4, {steps} L-BFGS steps",
+            as_filed,
+            seconds[as_filed],
+            best,
+            seconds[best],
+            "s",
+            f"as filed {summary(psnrs[as_filed])}; {best} {summary(psnrs[best])}",
+        )
     for label in (grouped, best):
         record(
             "dlg-cnn4",
