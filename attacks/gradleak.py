@@ -78,7 +78,7 @@ class GradLeakConfig:
     factor_min_weights: int = 262_144
     #: a factored layer's observed gradient is matched through a low-rank factorisation where one leaves a
     #: residual under this fraction of its norm (:func:`attacks.gradmatch.low_rank`; 0: always through the
-    #: full matrix). DLG on cnn4, 32 images at once: 0.66 -> 0.55 s per image (docs/attacks.md)
+    #: full matrix). DLG on cnn4, 32 images at once: 0.62-0.69 -> 0.46-0.53 s per image (docs/attacks.md)
     low_rank_rtol: float = 1e-6
     extra: dict = field(default_factory=dict)
 
