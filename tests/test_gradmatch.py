@@ -142,6 +142,17 @@ def test_problems_without_factors_make_the_stack_match_every_problem_through_g(s
     assert torch.allclose(losses, torch.stack(alone), rtol=1e-5)
     assert torch.allclose(torch.func.vmap(per_problem)(stacked.rows(torch.tensor([1]))), alone[1].view(1), rtol=1e-5)
 
+    # a one-sample target (rank 1) beside the two-sample one (rank 2): its factors are padded with a zero column
+    x1, y1 = torch.randn(1, 1, 6, 6, generator=gen), torch.tensor([4])
+    single = observe(
+        {n: g.detach() for n, g in zip(live, torch.autograd.grad(F.cross_entropy(model(x1), y1), list(live.values())))}, names, taps, 1e-6
+    )
+    assert single.low_u["fc.weight"].shape[-1] == 1 and one.low_u["fc.weight"].shape[-1] == 2
+    mixed = Observed.stack([single, one])
+    assert mixed.low_u["fc.weight"].shape[-1] == 2 and "fc.weight" not in mixed.gram
+    alone_mixed = torch.stack([distance(model_gradient(model, live, x, y_soft, taps=taps), o, False).detach() for o in (single, one)])
+    assert torch.allclose(torch.func.vmap(per_problem)(mixed), alone_mixed, rtol=1e-5)
+
 
 def test_without_taps_the_objective_is_the_materialised_sum(setting):
     """No factored layer: the same operations as before factoring existed (sum in name order)."""
