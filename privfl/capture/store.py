@@ -314,7 +314,7 @@ class TensorStore:
         if stored is None:
             data = st_save(portable_tensors(tensors))
             digest, size = hashlib.sha256(data).hexdigest(), len(data)
-            if digest not in self._pending_blobs and not self.blob_path(digest).exists():
+            if digest not in self._pending_blobs:  # whether it is on disk already: write_pending, at the round end
                 self._pending_blobs[digest] = data
                 self._pending_bytes += size
         else:
@@ -342,9 +342,12 @@ class TensorStore:
 
     def write_pending(self) -> None:
         """Write the blobs and index lines :meth:`append` has kept, blobs first (each atomically), then
-        the lines in one append. Nothing is committed here (:meth:`flush` does that)."""
+        the lines in one append; a blob already on disk (content-addressed: the same bytes) is not written
+        again. Nothing is committed here (:meth:`flush` does that)."""
         for digest, data in self._pending_blobs.items():
-            atomic_write_bytes(self.blob_path(digest), data)
+            path = self.blob_path(digest)
+            if not path.exists():  # here, at the round's end, not per message while clients train
+                atomic_write_bytes(path, data)
         self._pending_blobs.clear()
         self._pending_bytes = 0
         if self._pending_lines:
