@@ -77,6 +77,21 @@ def test_store_writes_at_the_round_commit_or_past_its_memory_limit(tmp_path, mon
     assert reader.verify() == []
 
 
+def test_a_blob_already_on_disk_is_not_written_again(tmp_path):
+    """The same bytes sent in a later round name the blob the earlier round wrote: the file is left as it is
+    (same inode: not replaced), the round's record points at it."""
+    store = TensorStore(tmp_path / "cap", "capture", create=True)
+    t = {"w": torch.arange(5.0)}
+    first = store.append(cap(), t)
+    store.flush()
+    path = store.blob_path(first["sha256"])
+    inode = path.stat().st_ino
+    second = store.append(cap(), t)
+    store.flush()
+    assert second["sha256"] == first["sha256"] and path.stat().st_ino == inode
+    assert len(list((tmp_path / "cap" / "blobs").rglob("*.safetensors"))) == 1 and store.verify() == []
+
+
 def test_store_refuses_foreign_folders_and_bad_index(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(CaptureError, match="not a privfl"):
