@@ -9,7 +9,8 @@ and both PSNRs, plus the full-setting check: PSNR > 30 dB clean and < 15 dB with
 Then the same for ``--images`` CIFAR-10 test images attacked together, the way an audit meets them
 (several uploads of one round): the reference loop one image after another, privfl's
 :func:`attacks.gradleak.leak_batch` all at once (one vmapped closure, :class:`attacks.lbfgs.LockstepLBFGS`
-keeping each image's L-BFGS apart). DLG's L-BFGS is chaotic (a rounding difference in the first step
+keeping each image's L-BFGS apart), and privfl's :func:`attacks.gradleak.leak` one image at a time, with the
+eager closure and with ``compile=True`` (its compiling timed apart). DLG's L-BFGS is chaotic (a rounding difference in the first step
 grows into a different trajectory within a few steps, in float64 too), so batched and one-at-a-time runs
 end on different images of the same quality: the comparison is the PSNR of every image, their mean and
 how many converge (> 30 dB), against the time per image. ``--cnn4 N`` adds DLG on a 582,026-parameter
