@@ -92,7 +92,8 @@ class GradLeakConfig:
     #: one target at a time (:func:`leak`): the closure (the dummy gradient, its distance and that distance's
     #: gradient in the dummies) compiled by ``torch.compile``, which fuses its small operators: DLG's LeNet,
     #: one closure 1.08 -> 0.52 ms on a CPU. The compiling is paid once per process and model shape (seconds;
-    #: more on a cold cache) and the rounding differs from the eager closure's, so it is off by default
+    #: more on a cold cache) and the rounding differs from the eager closure's, so it is off by default. An
+    #: attack on a run with it optimises its targets one at a time, whatever ``batch`` says
     compile: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -208,8 +209,7 @@ def leak(
         raise ConfigError(f"unknown gradient-leakage variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
     if cfg.batch_label_rule not in BATCH_LABEL_RULES:
         raise ConfigError(f"unknown batch_label_rule {cfg.batch_label_rule!r}; accepted: {', '.join(BATCH_LABEL_RULES)}")
-    if cfg.compile and torch.device(device).type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")):
-        raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile's inductor): none found (g++, c++, clang++ or $CXX)")
+    _check_compile(cfg, device)
     model = model.to(device).eval()
     names = [n for n in _param_names_all(model) if n in target]
     if not names:
@@ -302,6 +302,20 @@ def leak(
     assert best is not None  # at least one restart ran
     best.seconds = time.perf_counter() - start
     return best
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler ``compile=True`` would find on a CPU ($CXX, else g++, c++, clang++), or None."""
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
+def _check_compile(cfg: GradLeakConfig, device: torch.device | str) -> None:
+    if cfg.compile and torch.device(device).type == "cpu" and cxx_compiler() is None:
+        raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile's inductor): none found (g++, c++, clang++ or $CXX)")
 
 
 def _compiled_objective(
@@ -466,6 +480,8 @@ def leak_batch(
         raise ConfigError(f"unknown gradient-leakage variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
     if cfg.batch_label_rule not in BATCH_LABEL_RULES:
         raise ConfigError(f"unknown batch_label_rule {cfg.batch_label_rule!r}; accepted: {', '.join(BATCH_LABEL_RULES)}")
+    if cfg.compile:
+        raise ConfigError("compile=True compiles leak()'s one-target closure; leak_batch has none to compile: call leak() per target")
     if len(seeds) != len(targets) or (states is not None and len(states) != len(targets)):
         raise ValueError("leak_batch needs one seed (and one state, when given) per target")
     model = model.to(device).eval()
@@ -641,6 +657,10 @@ class GradientLeakage(Attack):
     Config = GradLeakConfig
     variant: ClassVar[str] = "dlg"
 
+    def __init__(self, config: GradLeakConfig | None = None, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        _check_compile(self.config, self.device)  # before the attack creates anything
+
     @classmethod
     def default_config(cls) -> GradLeakConfig:
         return GradLeakConfig.preset(cls.variant)
@@ -788,8 +808,8 @@ class GradientLeakage(Attack):
     def run_batch(self, targets: Sequence[Target], progress: Progress | None = None) -> list[Reconstruction]:
         """Targets that share a module structure, batch, local steps and lr are optimised ``config.batch``
         at a time by :func:`leak_batch` (each from its own previous state, every restart a problem of its
-        own); a target alone with one restart goes through :func:`leak`."""
-        if self.config.batch <= 1 or (len(targets) <= 1 and self.config.restarts <= 1):
+        own); a target alone with one restart, and every target with ``compile``, goes through :func:`leak`."""
+        if self.config.batch <= 1 or self.config.compile or (len(targets) <= 1 and self.config.restarts <= 1):
             return [self.run(t, progress) for t in targets]
         groups: dict[tuple, list[_Problem]] = defaultdict(list)
         for t in targets:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.gradleak import GradLeakConfig, batch_labels, idlg_label, leak, leak_batch
+from attacks.gradleak import DLG, GradLeakConfig, batch_labels, cxx_compiler, idlg_label, leak, leak_batch
 from attacks.images import packaged_images
 from attacks.lbfgs import LockstepLBFGS
 from attacks.metrics import psnr
@@ -31,10 +30,6 @@ def victim():
     loss = F.cross_entropy(model(x), labels)
     grads = dict(zip(params, [g.detach() for g in torch.autograd.grad(loss, list(params.values()))]))
     return model, images, labels, grads
-
-
-def _have_cxx() -> bool:
-    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
 def rebuild(model, grads, variant, steps, seed=0):
@@ -220,7 +215,7 @@ def test_one_target_runs_small_convolutions_on_native_kernels_and_restores_onedn
     assert torch.backends.mkldnn.enabled
 
 
-@pytest.mark.skipif(not _have_cxx(), reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.skipif(cxx_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler")
 @pytest.mark.parametrize("variant", ["dlg", "ig"])
 def test_the_compiled_closure_follows_the_eager_one(victim, variant, monkeypatch):
     """compile=True optimises the same objective through torch.compile: after two iterations (DLG's chaos
@@ -242,3 +237,20 @@ def test_the_compiled_closure_follows_the_eager_one(victim, variant, monkeypatch
     assert compiled.loss == pytest.approx(eager.loss, rel=1e-4)
     assert torch.allclose(compiled.images, eager.images, atol=1e-4)
     assert torch.equal(compiled.labels, eager.labels)
+
+
+def test_compile_is_refused_where_it_cannot_run(victim, two_images, monkeypatch):
+    """leak_batch has no one-target closure to compile; without a C++ compiler a CPU attack is refused when
+    it is built (before it creates anything) and leak() before it optimises."""
+    model, _, _, targets = two_images
+    cfg = GradLeakConfig.preset("dlg", steps=1, compile=True)
+    with pytest.raises(ConfigError, match="leak_batch has none to compile"):
+        leak_batch(model, targets, (3, 32, 32), 100, cfg, seeds=[0, 1])
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    assert cxx_compiler() is None
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        DLG(compile=True)
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        leak(victim[0], victim[3], (3, 32, 32), 100, cfg, seed=0)
+    DLG(compile=True, device="cuda")  # inductor's GPU path needs no host compiler for the closure

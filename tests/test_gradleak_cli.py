@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from attacks.gradleak import cxx_compiler
 from privfl.attack import main as attack_main
 from privfl.cli import run_cli
 from privfl.train import main as train_main
@@ -54,6 +55,18 @@ def test_messages_of_one_round_are_attacked_together_or_one_at_a_time(runs, batc
     data = json.loads((runs / "fedavg" / "attacks" / name / "metrics.json").read_text())
     assert data["protocol"]["optimised_together"] == batch and data["protocol"]["config"]["batch"] == batch
     assert len(data["images"]) == 2 and all(row["psnr"] == row["psnr"] for row in data["images"])  # two finite scores
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler")
+def test_compile_attacks_the_messages_one_at_a_time(runs):
+    """compile=True compiles leak()'s one-target closure, so an attack on a run with it optimises every target
+    alone whatever --batch says, and records so."""
+    argv = ["run", "dlg", "--artifact", "model", "--run", str(runs / "fedavg"), "--clients", "0,1", "--name", "compiled", "--no-progress"]
+    options = ["steps=2", "max_batch=1", "batch=2", "compile=true"]
+    assert attack_main([*argv, *[a for o in options for a in ("--option", o)]]) == 0
+    data = json.loads((runs / "fedavg" / "attacks" / "compiled" / "metrics.json").read_text())
+    assert data["protocol"]["optimised_together"] == 1 and data["protocol"]["config"]["compile"] is True
+    assert len(data["images"]) == 2 and all(row["psnr"] == row["psnr"] for row in data["images"])
 
 
 def test_bad_input(runs, capsys):
