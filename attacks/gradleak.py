@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -38,7 +39,7 @@ from torch.func import functional_call
 from attacks.base import KNOWLEDGE_FIXES, Attack, AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
 from attacks.context import context_of, leakage_module, module_tensor_names, previous_state
 from attacks.gradmatch import Factored, LinearTap, Observed, distance, factored, find_linear_taps, observe, tapping, zero_probes
-from attacks.lbfgs import LockstepLBFGS
+from attacks.lbfgs import LBFGS, LockstepLBFGS
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS, Family, ParamForm
@@ -229,21 +230,19 @@ def leak(
     compiled = _compiled_objective(model, params, names, local_steps, cfg, taps) if cfg.compile else None
     for restart in range(max(1, cfg.restarts)):
         gen = torch.Generator().manual_seed((seed * 1000 + restart) % (2**63))
-        # one problem for LockstepLBFGS: the variables carry a leading dimension of 1
-        x_var = torch.randn((1, batch_size, *input_shape), generator=gen).to(device).contiguous().requires_grad_(True)
+        x_var = torch.randn((batch_size, *input_shape), generator=gen).to(device).contiguous().requires_grad_(True)
         joint = labels is None
-        y_var = torch.randn((1, batch_size, num_classes), generator=gen).to(device).contiguous().requires_grad_(True)
+        y_var = torch.randn((batch_size, num_classes), generator=gen).to(device).contiguous().requires_grad_(True)
         variables = [x_var, y_var] if joint else [x_var]
         y_fixed = None if labels is None else F.one_hot(labels.to(device), num_classes).float()  # None iff joint
 
         # objective and closure are called only within this restart, so binding its variables late is intended
         def objective() -> torch.Tensor:
-            x, y_logit = x_var[0], y_var[0]  # noqa: B023 (views taken anew: the variables change in place)
-            y = F.softmax(y_logit, dim=1) if y_fixed is None else y_fixed  # noqa: B023
-            dummy = model_gradient(model, params, x, y, local_steps, cfg.local_lr, taps)
+            y = F.softmax(y_var, dim=1) if y_fixed is None else y_fixed  # noqa: B023
+            dummy = model_gradient(model, params, x_var, y, local_steps, cfg.local_lr, taps)  # noqa: B023
             loss = distance(dummy, observed, cosine=cfg.variant == "ig")
             if cfg.tv_weight > 0:
-                loss = loss + cfg.tv_weight * _tv(x)
+                loss = loss + cfg.tv_weight * _tv(x_var)  # noqa: B023
             return loss
 
         def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -259,20 +258,20 @@ def leak(
         every = max(1, cfg.steps // max(1, cfg.snapshots))
         with _onednn_off() if native else contextlib.nullcontext():
             if cfg.variant in ("dlg", "idlg"):
-                # torch.optim.LBFGS's iteration (tests/test_lbfgs.py), its history handled in a compact form that
-                # costs less per iteration than the two-loop recursion (docs/attacks.md)
-                opt = LockstepLBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
+                # torch.optim.LBFGS's iteration (tests/test_lbfgs.py), its history handled in a compact form and its
+                # bookkeeping in Python numbers: a third of the cost per iteration of torch's (docs/attacks.md)
+                opt = LBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
 
-                def closure(needed: torch.Tensor) -> torch.Tensor:
+                def closure() -> torch.Tensor:
                     loss, grads = loss_and_grads()
                     for v, g in zip(variables, grads):  # noqa: B023
                         v.grad = g
-                    return loss.reshape(1)
+                    return loss
 
                 last_good = [v.detach().clone() for v in variables]
                 for step in range(cfg.steps):
-                    loss = opt.step(closure)[0]
-                    if not (torch.isfinite(loss) and all(bool(torch.isfinite(v).all()) for v in variables)):
+                    start_loss = opt.step(closure)
+                    if not (math.isfinite(start_loss) and all(bool(torch.isfinite(v).all()) for v in variables)):
                         # L-BFGS diverged (DLG does on some starts and on noisy targets): keep the last finite
                         # iterate, so the result is the attack's best effort rather than NaN
                         with torch.no_grad():
@@ -281,22 +280,22 @@ def leak(
                         break
                     last_good = [v.detach().clone() for v in variables]
                     if progress:
-                        progress(step, float(loss))
+                        progress(step, start_loss)
                     if step % every == 0 or step == cfg.steps - 1:
-                        snaps.append((step, x_var[0].detach().cpu().clone()))
+                        snaps.append((step, x_var.detach().cpu().clone()))
             else:  # ig
                 adam, sched = _signed_adam(variables, cfg)
                 for step in range(cfg.steps):
-                    loss, grads = loss_and_grads()
+                    ig_loss, grads = loss_and_grads()
                     _signed_adam_step(adam, sched, variables, grads, x_var, box)
                     if progress:
-                        progress(step, float(loss.detach()))
+                        progress(step, float(ig_loss.detach()))
                     if step % every == 0 or step == cfg.steps - 1:
-                        snaps.append((step, x_var[0].detach().cpu().clone()))
+                        snaps.append((step, x_var.detach().cpu().clone()))
             with torch.enable_grad():
                 final = float(objective().detach())
-        recovered = (F.softmax(y_var[0], 1).argmax(1) if labels is None else labels).detach().cpu()
-        result = LeakResult(x_var[0].detach().cpu(), recovered, final, 0.0, snaps, "joint (DLG)" if joint else label_source)
+        recovered = (F.softmax(y_var, 1).argmax(1) if labels is None else labels).detach().cpu()
+        result = LeakResult(x_var.detach().cpu(), recovered, final, 0.0, snaps, "joint (DLG)" if joint else label_source)
         if best is None or final < best.loss:
             best = result
     assert best is not None  # at least one restart ran
@@ -322,16 +321,16 @@ def _compiled_objective(
     model: nn.Module, params: Mapping[str, torch.Tensor], names: Sequence[str], local_steps: int, cfg: GradLeakConfig, taps: Sequence[LinearTap]
 ) -> Callable[..., tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """:func:`leak`'s objective and its gradient in the dummies ``(x, y_logit)``, in ``torch.func`` form
-    (:func:`functional_gradient`, so no autograd graph is kept between calls) and compiled. The variables
-    carry :func:`leak`'s leading dimension of 1; ``y_fixed`` None: the label is ``softmax(y_logit)``."""
+    (:func:`functional_gradient`, so no autograd graph is kept between calls) and compiled; ``y_fixed``
+    None: the label is ``softmax(y_logit)``."""
     state = {n: p.detach() for n, p in params.items()}
     cosine, tv_weight, local_lr = cfg.variant == "ig", cfg.tv_weight, cfg.local_lr
 
     def loss(x: torch.Tensor, y_logit: torch.Tensor, y_fixed: torch.Tensor | None, observed: Observed) -> torch.Tensor:
-        y = F.softmax(y_logit[0], dim=1) if y_fixed is None else y_fixed
-        dummy = functional_gradient(model, state, names, x[0], y, local_steps, local_lr, taps)
+        y = F.softmax(y_logit, dim=1) if y_fixed is None else y_fixed
+        dummy = functional_gradient(model, state, names, x, y, local_steps, local_lr, taps)
         value = distance(dummy, observed, cosine=cosine)
-        return value + tv_weight * _tv(x[0]) if tv_weight > 0 else value
+        return value + tv_weight * _tv(x) if tv_weight > 0 else value
 
     return torch.compile(torch.func.grad_and_value(loss, argnums=(0, 1)))
 

@@ -14,7 +14,8 @@ algorithm. :class:`LockstepLBFGS` keeps every piece of state per problem and run
 - a curvature pair ``(s, y)`` is accepted when ``y.s > 1e-10``;
 - within one :meth:`step`, a problem stops iterating on the same tests as ``torch.optim.LBFGS``
   (gradient below ``tolerance_grad``, ``g.d > -tolerance_change``, a step or a loss change below
-  ``tolerance_change``, ``max_iter`` iterations) and waits, unchanged, until the next :meth:`step`.
+  ``tolerance_change``, ``max_iter`` iterations, ``max_iter * 5 // 4`` evaluations) and waits,
+  unchanged, until the next :meth:`step`.
 
 ``H g`` is computed in the compact form of Byrd, Nocedal and Schnabel (Math. Programming 63, 1994,
 Theorem 2.2) rather than by the two-loop recursion ``torch.optim.LBFGS`` uses: the two are the same
@@ -59,6 +60,7 @@ class LockstepLBFGS:
         if any(v.shape[0] != self.problems for v in self.variables):
             raise ValueError("every variable must have the same number of problems along dimension 0")
         self.lr, self.max_iter, self.history_size = lr, max_iter, history_size
+        self.max_eval = max_iter * 5 // 4  # torch.optim.LBFGS's default; it binds for max_iter < 4
         self.tolerance_grad, self.tolerance_change = tolerance_grad, tolerance_change
         ref = self.variables[0]
         size = sum(v[0].numel() for v in self.variables)
@@ -207,11 +209,159 @@ class LockstepLBFGS:
             if n_iter == self.max_iter:
                 break
             losses, g = self._evaluate(closure, active)
+            if 1 + n_iter >= self.max_eval:  # evaluations in this step
+                break
             small_grad = g.abs().amax(1) <= self.tolerance_grad
             small_step = (self.d * self.t.unsqueeze(1)).abs().amax(1) <= self.tolerance_change
             small_change = (losses - self.prev_loss).abs() < self.tolerance_change
             active = active & ~small_grad & ~small_step & ~small_change
         return start_losses
+
+
+class LBFGS:
+    """``torch.optim.LBFGS``'s iteration (``line_search_fn=None``) on one problem, in the compact form.
+
+    The same iteration as :class:`LockstepLBFGS` with one problem, for ``leak()``'s one target at a time,
+    where the L-BFGS bookkeeping around a LeNet closure costs about a third of each evaluation: here the
+    ring's slot and count, the step length and the stopping tests are Python numbers (each test reads one
+    number off a tensor, as ``torch.optim.LBFGS`` does), and the compact form is solved on the filled slots
+    only, gathered in chronological order, so an iteration is about 50 tensor operations rather than
+    about 120 (``experiments/bench_dlg.py``). ``tests/test_lbfgs.py`` checks it against
+    ``torch.optim.LBFGS`` and against :class:`LockstepLBFGS`.
+
+    The closure takes no argument, leaves each variable's gradient in ``.grad`` (``None`` reads as zero;
+    :meth:`step` clears them before each call) and returns the loss (one element).
+    """
+
+    def __init__(
+        self,
+        variables: Sequence[torch.Tensor],
+        lr: float = 1.0,
+        max_iter: int = 20,
+        tolerance_grad: float = 1e-7,
+        tolerance_change: float = 1e-9,
+        history_size: int = 100,
+    ):
+        if not variables:
+            raise ValueError("LBFGS needs at least one variable")
+        self.variables = list(variables)
+        self.lr, self.max_iter, self.history_size = lr, max_iter, history_size
+        self.max_eval = max_iter * 5 // 4  # torch.optim.LBFGS's default; it binds for max_iter < 4
+        self.tolerance_grad, self.tolerance_change = tolerance_grad, tolerance_change
+        ref = self.variables[0]
+        size = sum(v.numel() for v in self.variables)
+        m, dtype, device = history_size, ref.dtype, ref.device
+        self.hist = torch.zeros(2 * m, size, dtype=dtype, device=device)  # rows [0, m): s, [m, 2m): y, ring slots
+        self.sy = torch.zeros(m, m, dtype=dtype, device=device)  # s_a . y_b
+        self.yy = torch.zeros(m, m, dtype=dtype, device=device)  # y_a . y_b
+        self.hist_g = torch.zeros(2 * m, dtype=dtype, device=device)  # [S Y]^T g at the last iteration
+        self.y_d = torch.zeros(m, dtype=dtype, device=device)  # Y^T d of the last direction
+        self.count, self.head = 0, 0  # pairs held, the slot the next one goes to
+        self.h_diag = torch.ones((), dtype=dtype, device=device)
+        self.d = torch.zeros(size, dtype=dtype, device=device)
+        self.t = 0.0
+        self.prev_grad = torch.zeros(size, dtype=dtype, device=device)
+        self.prev_loss = 0.0
+        self.started = False
+        self.evaluations = 0
+
+    def _evaluate(self, closure: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+        for v in self.variables:
+            v.grad = None
+        with torch.enable_grad():
+            loss = closure()
+        self.evaluations += 1
+        grads = [(v.grad if v.grad is not None else torch.zeros_like(v)).reshape(-1) for v in self.variables]
+        return float(loss.detach()), grads[0] if len(grads) == 1 else torch.cat(grads)
+
+    def _remember(self, g: torch.Tensor, hist_g: torch.Tensor) -> None:
+        """The pair from the last move, when its curvature ``y.s`` exceeds 1e-10 (torch.optim.LBFGS's test)."""
+        y = g - self.prev_grad
+        s = self.d * self.t
+        ys = torch.dot(y, s)
+        if not float(ys) > 1e-10:
+            return
+        m, slot = self.history_size, self.head
+        s_y = hist_g[:m] - self.hist_g[:m]  # s_a . y for every slot a
+        y_y = hist_g[m:] - self.hist_g[m:]  # y_b . y
+        self.hist[slot] = s
+        self.hist[m + slot] = y
+        self.sy[:, slot] = s_y
+        self.sy[slot] = self.y_d * self.t  # s . y_b = t (Y^T d)_b
+        self.sy[slot, slot] = ys
+        yy = torch.dot(y, y)
+        self.yy[:, slot] = y_y
+        self.yy[slot] = y_y
+        self.yy[slot, slot] = yy
+        hist_g[slot] = torch.dot(s, g)
+        hist_g[m + slot] = torch.dot(y, g)
+        self.head = (slot + 1) % m
+        self.count = min(self.count + 1, m)
+        self.h_diag = ys / yy
+
+    def _direction(self, g: torch.Tensor, hist_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``-H g`` and ``Y^T`` of it (slot layout), from the filled slots in chronological order."""
+        m, k = self.history_size, self.count
+        order = (torch.arange(self.head - k, self.head, device=g.device)) % m
+        gamma = self.h_diag
+        sy = self.sy.index_select(0, order).index_select(1, order)
+        yy = self.yy.index_select(0, order).index_select(1, order)
+        u = hist_g.index_select(0, order).unsqueeze(1)  # S^T g
+        v = hist_g.index_select(0, order + m) * gamma  # gamma Y^T g
+        r = torch.triu(sy)
+        w = torch.linalg.solve_triangular(r, u, upper=True)  # R^-1 S^T g
+        rhs = torch.diagonal(sy).unsqueeze(1) * w + gamma * (yy @ w) - v.unsqueeze(1)
+        z = torch.linalg.solve_triangular(r.T, rhs, upper=False)
+        coef = torch.zeros(2 * m, dtype=g.dtype, device=g.device)
+        coef[order] = z.squeeze(1)
+        coef[order + m] = -gamma * w.squeeze(1)
+        h_g = torch.addmv(g * gamma, self.hist.T, coef)  # H g = gamma g + S z - gamma Y w
+        # Y^T H g = gamma Y^T g + (S^T Y)^T z - gamma (Y^T Y) w, in slot layout
+        y_hg = gamma * hist_g[m:] + self.sy.T @ coef[:m] + self.yy @ coef[m:]
+        return -h_g, -y_hg
+
+    def _move(self, step: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for v in self.variables:
+                n = v.numel()
+                v.add_(step[offset : offset + n].view_as(v))
+                offset += n
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> float:
+        """One ``torch.optim.LBFGS.step`` (up to ``max_iter`` iterations); returns the loss at its start."""
+        loss, g = self._evaluate(closure)
+        start_loss = loss
+        if float(g.abs().max()) <= self.tolerance_grad:
+            return start_loss
+        for n_iter in range(1, self.max_iter + 1):
+            hist_g = self.hist @ g  # [S Y]^T g: one pass over the ring
+            if self.started:
+                self._remember(g, hist_g)
+            if not self.started or self.count == 0:
+                # the first iteration steps along -g; later ones with no pair yet, -H_0 g with H_0 = I
+                self.d, self.y_d = -g, torch.zeros_like(self.y_d)
+            else:
+                self.d, self.y_d = self._direction(g, hist_g)
+            self.hist_g, self.prev_grad, self.prev_loss = hist_g, g, loss
+            self.t = min(1.0, 1.0 / float(g.abs().sum())) * self.lr if not self.started else self.lr
+            self.started = True
+            if float(torch.dot(g, self.d)) > -self.tolerance_change:
+                break
+            step = self.d * self.t
+            self._move(step)
+            if n_iter == self.max_iter:
+                break
+            loss, g = self._evaluate(closure)
+            if 1 + n_iter >= self.max_eval:
+                break
+            if float(g.abs().max()) <= self.tolerance_grad:
+                break
+            if float(step.abs().max()) <= self.tolerance_change:
+                break
+            if abs(loss - self.prev_loss) < self.tolerance_change:
+                break
+        return start_loss
 
 
 def _matvec(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -220,4 +370,4 @@ def _matvec(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), a.transpose(1, 2)).squeeze(1)
 
 
-__all__ = ["LockstepLBFGS"]
+__all__ = ["LBFGS", "LockstepLBFGS"]
