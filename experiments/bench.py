@@ -29,6 +29,7 @@ BENCHES: dict[str, list[str]] = {
     "inversion": ["bench_inversion_batching.py"],
     "dip-settings": ["bench_dip_settings.py"],
     "dlg": ["bench_dlg.py"],
+    "lbfgs": ["bench_lbfgs.py"],
     "clients": ["bench_clients.py"],
     "round-profile": ["profile_round.py"],
     "layout": ["bench_layout.py"],
