@@ -24,7 +24,8 @@ iteration whatever the history length, where the recursion is 2 x ``history_size
 vector operations. Each problem has its own ring of ``history_size`` slots; a slot not yet filled
 holds a zero pair, which contributes nothing. The iterates are ``torch.optim.LBFGS``'s up to
 floating-point rounding (``tests/test_lbfgs.py`` compares them in float64, history truncation and
-early stops included).
+early stops included). :class:`LBFGS` is the same iteration for one problem (``leak()``, one target at
+a time), with its bookkeeping in Python numbers.
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ class LBFGS:
     def _direction(self, g: torch.Tensor, hist_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``-H g`` and ``Y^T`` of it (slot layout), from the filled slots in chronological order."""
         m, k = self.history_size, self.count
-        order = (torch.arange(self.head - k, self.head, device=g.device)) % m
+        order = torch.arange(self.head - k, self.head, device=g.device) % m  # chronological slots
         gamma = self.h_diag
         sy = self.sy.index_select(0, order).index_select(1, order)
         yy = self.yy.index_select(0, order).index_select(1, order)
