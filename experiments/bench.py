@@ -6,7 +6,7 @@ the ratio b / a) through :mod:`benchlib`; the table at the end gathers them. The
 need a FedRE run with client extractors: a small one is trained first (Fashion-MNIST 2,000 samples,
 3 rounds), unless ``--run`` gives one.
 
-    python experiments/bench.py                    # all of them (45 minutes on 2 CPU cores, 2026-11-26)
+    python experiments/bench.py                    # all of them (27 minutes on 2 CPU cores, 2026-11-27)
     python experiments/bench.py --only clients,dlg
 """
 
