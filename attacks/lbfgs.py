@@ -35,15 +35,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-class LockstepLBFGS:
-    """L-BFGS on ``P`` independent problems; every variable has the problems along dimension 0.
-
-    The closure is called with a boolean mask ``(P,)`` of the problems whose loss and gradient are
-    needed (those still iterating in this step; the others' values are not read, so a closure may skip
-    them). It zeroes nothing itself (:meth:`step` clears the variables' gradients before each call) and
-    must return the per-problem losses, shape ``(P,)``, after back-propagating their sum (the problems
-    being independent, the sum's gradient is each problem's own gradient).
-    """
+class _Iteration:
+    """``torch.optim.LBFGS``'s settings (``line_search_fn=None``, the setting DLG uses), with its defaults;
+    a subclass allocates its state in :meth:`_allocate`."""
 
     def __init__(
         self,
@@ -55,18 +49,35 @@ class LockstepLBFGS:
         history_size: int = 100,
     ):
         if not variables:
-            raise ValueError("LockstepLBFGS needs at least one variable")
+            raise ValueError(f"{type(self).__name__} needs at least one variable")
         self.variables = list(variables)
-        self.problems = self.variables[0].shape[0]
-        if any(v.shape[0] != self.problems for v in self.variables):
-            raise ValueError("every variable must have the same number of problems along dimension 0")
         self.lr, self.max_iter, self.history_size = lr, max_iter, history_size
         self.max_eval = max_iter * 5 // 4  # torch.optim.LBFGS's default; it binds for max_iter < 4
         self.tolerance_grad, self.tolerance_change = tolerance_grad, tolerance_change
+        self._allocate()
+
+    def _allocate(self) -> None:
+        raise NotImplementedError
+
+
+class LockstepLBFGS(_Iteration):
+    """L-BFGS on ``P`` independent problems; every variable has the problems along dimension 0.
+
+    The closure is called with a boolean mask ``(P,)`` of the problems whose loss and gradient are
+    needed (those still iterating in this step; the others' values are not read, so a closure may skip
+    them). It zeroes nothing itself (:meth:`step` clears the variables' gradients before each call) and
+    must return the per-problem losses, shape ``(P,)``, after back-propagating their sum (the problems
+    being independent, the sum's gradient is each problem's own gradient).
+    """
+
+    def _allocate(self) -> None:
+        self.problems = self.variables[0].shape[0]
+        if any(v.shape[0] != self.problems for v in self.variables):
+            raise ValueError("every variable must have the same number of problems along dimension 0")
         ref = self.variables[0]
         size = sum(v[0].numel() for v in self.variables)
         p, dtype, device = self.problems, ref.dtype, ref.device
-        m = history_size
+        m = self.history_size
         #: the rings, slot layout: rows [0, m) hold each problem's s vectors, rows [m, 2m) its y vectors
         self.hist = torch.zeros(p, 2 * m, size, dtype=dtype, device=device)
         self.sy = torch.zeros(p, m, m, dtype=dtype, device=device)  # s_a . y_b for every pair of slots
@@ -219,7 +230,7 @@ class LockstepLBFGS:
         return start_losses
 
 
-class LBFGS:
+class LBFGS(_Iteration):
     """``torch.optim.LBFGS``'s iteration (``line_search_fn=None``) on one problem, in the compact form.
 
     The same iteration as :class:`LockstepLBFGS` with one problem, for ``leak()``'s one target at a time,
@@ -234,24 +245,10 @@ class LBFGS:
     :meth:`step` clears them before each call) and returns the loss (one element).
     """
 
-    def __init__(
-        self,
-        variables: Sequence[torch.Tensor],
-        lr: float = 1.0,
-        max_iter: int = 20,
-        tolerance_grad: float = 1e-7,
-        tolerance_change: float = 1e-9,
-        history_size: int = 100,
-    ):
-        if not variables:
-            raise ValueError("LBFGS needs at least one variable")
-        self.variables = list(variables)
-        self.lr, self.max_iter, self.history_size = lr, max_iter, history_size
-        self.max_eval = max_iter * 5 // 4  # torch.optim.LBFGS's default; it binds for max_iter < 4
-        self.tolerance_grad, self.tolerance_change = tolerance_grad, tolerance_change
+    def _allocate(self) -> None:
         ref = self.variables[0]
         size = sum(v.numel() for v in self.variables)
-        m, dtype, device = history_size, ref.dtype, ref.device
+        m, dtype, device = self.history_size, ref.dtype, ref.device
         self.hist = torch.zeros(2 * m, size, dtype=dtype, device=device)  # rows [0, m): s, [m, 2m): y, ring slots
         self.sy = torch.zeros(m, m, dtype=dtype, device=device)  # s_a . y_b
         self.yy = torch.zeros(m, m, dtype=dtype, device=device)  # y_a . y_b
