@@ -102,14 +102,33 @@ def test_one_problem_follows_torch_lbfgs(kw: dict, a: float, b: float, seed: int
 
 
 def test_one_problem_stops_at_a_zero_gradient_without_moving() -> None:
-    x = torch.ones(4, requires_grad=True)  # the minimum of rosenbrock with a = 1
-    opt = LBFGS([x])
+    """A step that starts at a zero gradient returns at once, as torch.optim.LBFGS's does, and leaves the
+    iteration unstarted: the next step's first move is still the scaled one (min(1, 1/|g|_1) * lr)."""
+    x = torch.ones(4, dtype=torch.float64, requires_grad=True)  # the minimum of rosenbrock with a = 1
+    ref = x.detach().clone().requires_grad_(True)
+    opt, torch_opt = LBFGS([x]), torch.optim.LBFGS([ref])
+    a, b = torch.ones(1, dtype=torch.float64), torch.full((1,), 5.0, dtype=torch.float64)
 
     def closure() -> torch.Tensor:
-        loss = rosenbrock(x.unsqueeze(0), torch.ones(1), torch.ones(1)).sum()
+        loss = rosenbrock(x.unsqueeze(0), a, b).sum()
+        loss.backward()
+        return loss
+
+    def torch_closure() -> torch.Tensor:
+        torch_opt.zero_grad()
+        loss = rosenbrock(ref.unsqueeze(0), a, b).sum()
         loss.backward()
         return loss
 
     assert opt.step(closure) == 0.0
+    torch_opt.step(torch_closure)
     assert opt.evaluations == 1
-    assert torch.equal(x.detach(), torch.ones(4))
+    assert torch.equal(x.detach(), torch.ones(4, dtype=torch.float64))
+    with torch.no_grad():  # away from the minimum, on both sides
+        x.add_(torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64))
+        ref.copy_(x)
+    for _ in range(3):
+        torch.testing.assert_close(
+            torch.tensor(opt.step(closure), dtype=torch.float64), torch_opt.step(torch_closure).detach(), rtol=1e-10, atol=1e-12
+        )
+    torch.testing.assert_close(x.detach(), ref.detach(), rtol=1e-8, atol=1e-10)
