@@ -230,7 +230,8 @@ def test_the_compiled_closure_follows_the_eager_one(victim, variant, monkeypatch
 
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", counted)
-    base = {"steps": 1, "lbfgs_max_iter": 2} if variant == "dlg" else {"steps": 3}
+    # max_iter 3: two moves (torch.optim.LBFGS's max_eval, 3 * 5 // 4 evaluations, stops the third)
+    base = {"steps": 1, "lbfgs_max_iter": 3} if variant == "dlg" else {"steps": 3}
     eager = leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset(variant, **base), seed=0)
     assert not compiles
     compiled = leak(model, grads, (3, 32, 32), 100, GradLeakConfig.preset(variant, compile=True, **base), seed=0)
