@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from attacks.gradleak import GradLeakConfig, leak, leak_batch
+from attacks.gradleak import GradLeakConfig, cxx_compiler, leak, leak_batch
 from attacks.images import packaged_images
 from attacks.metrics import psnr
 from attacks.victims import SigmoidLeNet
@@ -204,15 +204,17 @@ def summary(psnrs: list[float]) -> str:
 def many_images(model, n: int, steps: int) -> None:
     """Reference loop one image at a time vs privfl on the same n images and initial dummies: batched
     (:func:`leak_batch`), one at a time (:func:`leak`) and one at a time with the closure compiled (its
-    compiling timed apart, on two warm-up images, as an audit of many targets pays it once)."""
+    compiling timed apart, on two warm-up images, as an audit of many targets pays it once; skipped, and
+    said so, where ``compile=True`` cannot run: a CPU without a C++ compiler)."""
     images, labels = packaged_images("cifar10", n)
     targets = lenet_gradients(model, images, labels)
     names = [name for name, _ in model.named_parameters()]
     cfg = GradLeakConfig.preset("dlg", steps=steps)
     compiled = GradLeakConfig.preset("dlg", steps=steps, compile=True)
     leak_batch(model, targets[:2], (3, 32, 32), 100, GradLeakConfig.preset("dlg", steps=2), seeds=[0, 1])  # warm-up
+    can_compile = cxx_compiler() is not None
     t0 = time.perf_counter()
-    for i in range(2):  # the compiling (both label forms are the same graph here: DLG's joint label)
+    for i in range(2 if can_compile else 0):  # the compiling (both label forms are the same graph here: DLG's joint label)
         leak(model, targets[i], (3, 32, 32), 100, GradLeakConfig.preset("dlg", steps=2, compile=True), seed=i)
     t_compile = time.perf_counter() - t0
 
@@ -228,7 +230,8 @@ def many_images(model, n: int, steps: int) -> None:
     batched = [r.images for r in leak_batch(model, targets, (3, 32, 32), 100, cfg, seeds=list(range(n)))]
     t_batch, c_batch = time.perf_counter() - t0, time.process_time() - c0
     one, t_one, c_one = timed(lambda i: leak(model, targets[i], (3, 32, 32), 100, cfg, seed=i).images)
-    comp, t_comp, c_comp = timed(lambda i: leak(model, targets[i], (3, 32, 32), 100, compiled, seed=i).images)
+    if can_compile:
+        comp, t_comp, c_comp = timed(lambda i: leak(model, targets[i], (3, 32, 32), 100, compiled, seed=i).images)
     for prm in model.parameters():
         prm.requires_grad_(True)
 
@@ -242,7 +245,8 @@ def many_images(model, n: int, steps: int) -> None:
     def scores(rebuilt: list[torch.Tensor]) -> list[float]:
         return [psnr((r * 0.5 + 0.5).clamp(0, 1), images[i : i + 1]).item() for i, r in enumerate(rebuilt)]
 
-    p_ref, p_batch, p_one, p_comp = scores(refs), scores(batched), scores(one), scores(comp)
+    p_ref, p_batch, p_one = scores(refs), scores(batched), scores(one)
+    p_comp = scores(comp) if can_compile else [float("nan")] * n
     print(f"\nDLG on {n} CIFAR-10 test images, sigmoid LeNet, {steps} L-BFGS steps each")
     print("image  reference dB  privfl batched dB  privfl one at a time dB  compiled dB")
     for i in range(n):
@@ -250,15 +254,21 @@ def many_images(model, n: int, steps: int) -> None:
     print(f"reference, one at a time:  {t_ref / n:7.2f} s per image ({c_ref / n:.2f} s CPU), {summary(p_ref)}")
     print(f"privfl, {n} together:       {t_batch / n:7.2f} s per image ({c_batch / n:.2f} s CPU), {summary(p_batch)}")
     print(f"privfl, one at a time:     {t_one / n:7.2f} s per image ({c_one / n:.2f} s CPU), {summary(p_one)}")
-    print(f"privfl, compiled closure:  {t_comp / n:7.2f} s per image ({c_comp / n:.2f} s CPU), {summary(p_comp)}; compiling {t_compile:.1f} s once")
-    for label, t, c in (("batched", t_batch, c_batch), ("one at a time", t_one, c_one), ("compiled", t_comp, c_comp)):
-        print(f"time per image ratio privfl {label} / reference: {t / t_ref:.3f} wall, {c / c_ref:.3f} CPU (read CPU on a shared machine)")
+    measured = [("batched", t_batch, c_batch), ("one at a time", t_one, c_one)]
     head = f"seconds per image, {n} images, {steps} L-BFGS steps"
-    rows = (
-        ("dlg-batch", f"privfl, {n} batched", t_batch, p_batch, ""),
-        ("dlg-one", "privfl, one at a time", t_one, p_one, ""),
-        ("dlg-compiled", "privfl, one at a time, compiled", t_comp, p_comp, f"; compiling {t_compile:.1f} s once per process, not included"),
-    )
+    rows = [("dlg-batch", f"privfl, {n} batched", t_batch, p_batch, ""), ("dlg-one", "privfl, one at a time", t_one, p_one, "")]
+    if can_compile:
+        print(
+            f"privfl, compiled closure:  {t_comp / n:7.2f} s per image ({c_comp / n:.2f} s CPU), {summary(p_comp)}; compiling {t_compile:.1f} s once"
+        )
+        measured.append(("compiled", t_comp, c_comp))
+        rows.append(
+            ("dlg-compiled", "privfl, one at a time, compiled", t_comp, p_comp, f"; compiling {t_compile:.1f} s once per process, not included")
+        )
+    else:
+        print("privfl, compiled closure:  unavailable (compile=True needs a C++ compiler on a CPU: none of $CXX, g++, c++, clang++)")
+    for label, t, c in measured:
+        print(f"time per image ratio privfl {label} / reference: {t / t_ref:.3f} wall, {c / c_ref:.3f} CPU (read CPU on a shared machine)")
     for bench, label, t, scored, more in rows:
         quality = f"reference {summary(p_ref)}; privfl {summary(scored)}{more}"
         record(bench, head, "reference loop, one at a time", t_ref / n, label, t / n, "s", quality)
