@@ -98,7 +98,7 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                     for i, c in enumerate(classes)
                 ]
             for t, s in zip(ts, samples):
-                cands[t.key] = Candidates(truth.images(s.view(1)), torch.ones(1), 0, "its own image")
+                cands[t.key] = Candidates(truth.images(s.view(1)), torch.ones(1), 0, "its own image", s.view(1))
         elif kind == "proto":
             by_class: dict[int, Target] = {}
             if sent:
@@ -115,7 +115,7 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
             ts = [by_class[c] for c in classes]
             for t in by_class.values():
                 members = pool[truth.labels[pool] == t.class_id]
-                cands[t.key] = Candidates(truth.images(members), torch.full((len(members),), 1 / len(members)), None, "class images")
+                cands[t.key] = Candidates(truth.images(members), torch.full((len(members),), 1 / len(members)), None, "class images", members)
         else:  # ent_rep
             if sent:
                 rec = sent[0]
@@ -129,10 +129,18 @@ def plan(view: AttackerView, truth: GroundTruth, kinds: list[str], client: str, 
                 w = sample_weights("rap", labels, num_classes, draws)
                 vec, label = entangle(reps.double(), labels, num_classes, w)
                 t = Target(
-                    "ent_rep", rnd, client, None, view, 0, soft_label_text(label, list(names)), counterfactual=True, payload={"vector": vec.float()}
+                    "ent_rep",
+                    rnd,
+                    client,
+                    None,
+                    view,
+                    0,
+                    soft_label_text(label, list(names)),
+                    counterfactual=True,
+                    payload={"vector": vec.float(), "soft_label": label.float()},
                 )
                 keep = w > 0
-                cands[t.key] = Candidates(truth.images(pool[keep]), (w[keep] / w[keep].sum()).float(), None, "RE-weighted images")
+                cands[t.key] = Candidates(truth.images(pool[keep]), (w[keep] / w[keep].sum()).float(), None, "RE-weighted images", pool[keep])
             ts = [t] * len(samples)
         targets[kind] = ts
     return ComparisonPlan(client, rnd, samples, classes, targets, cands)
@@ -158,7 +166,9 @@ def compare_artifacts(
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
     every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b).
     ``deterministic``: torch's deterministic kernels while the inversions run (``--deterministic``)."""
+    from attacks.calibration import Item, calibrate, headline_fields, identification_item
     from attacks.metrics import score_images, summarize
+    from attacks.priors import LEAKS, PriorBank, revealed_classes
     from attacks.runner import base_protocol, client_names, execute, output_folder, resolve_attack_device, write_report
     from attacks.scoring import Scored, score
 
@@ -191,6 +201,9 @@ def compare_artifacts(
     recons, seconds = execute(attack, unique, progress=progress, desc=f"compare {', '.join(kinds)} on {client} r{rnd}", deterministic=deterministic)
     by_key = {r.target.key: r for r in recons}
     sample_images = truth.images(p.samples)
+    bank = PriorBank(truth, seed)
+    num_classes = len(truth.dataset.class_names)
+    prior_rows: dict[str, tuple[list[str], torch.Tensor, list[str]]] = {}  # the strongest prior per kind, shared rows merged
     rows, gallery_rows, labels = [], [], {}
     summary: dict[str, Any] = {
         "targets": len(unique),
@@ -205,6 +218,22 @@ def compare_artifacts(
         gallery_rows.append((row_label, images))
         labels[row_label] = [f"PSNR {v:.2f} dB" for v in per["psnr255"]]
         best = {t.key: score(by_key[t.key].image, p.candidates[t.key]) for t in {t.key: t for t in p.targets[kind]}.values()}
+        # the priors under rule (a): what the attacker has without this kind's message, against the same sample
+        items = []
+        for i, t in enumerate(p.targets[kind]):
+            own = Candidates(sample_images[i : i + 1], torch.ones(1), 0, "the sample", p.samples[i : i + 1])
+            scores = {f"exact_{m}": v[i] for m, v in per.items()}
+            ident = identification_item(truth, client, own.indices)
+            items.append(Item(by_key[t.key].image, own, "exact", client, scores, revealed_classes(t, num_classes), ident))
+        cal = calibrate(items, truth, bank, seed)
+        strongest = f"prior: {cal.summary['strongest_prior'].replace('_', ' ')}"
+        if strongest in cal.labels:  # not the blank image
+            imgs = dict(cal.gallery)[strongest]
+            same = next((key for key, (_, other, _) in prior_rows.items() if torch.equal(other, imgs)), None)
+            if same is None:
+                prior_rows[f"{kind}.{strongest}"] = ([kind], imgs, cal.labels[strongest])
+            else:
+                prior_rows[same][0].append(kind)
         for i, t in enumerate(p.targets[kind]):
             rows.append(
                 {
@@ -219,15 +248,35 @@ def compare_artifacts(
                     **{k: v for k, v in best[t.key].items() if k.startswith("best_")},
                     # the inversion's own final objective (extractor(G(z)) vs the target): convergence is checkable
                     "feature_mse": by_key[t.key].loss,
+                    **cal.rows[i],
                 }
             )
         summary.update({f"{kind}_sample_{k}": v for k, v in summarize(per).items()})
         summary[f"{kind}_feature_mse"] = float(sum(by_key[t.key].loss for t in p.targets[kind]) / len(p.targets[kind]))
         summary[f"{kind}_counterfactual"] = cf
+        summary.update({f"{kind}_{k}": v for k, v in headline_fields(cal.summary).items()})
+        summary[f"{kind}_calibration"] = cal.summary
+    for key, (shown_for, imgs, captions) in prior_rows.items():
+        label = f"{key.split('.', 1)[1]} ({', '.join(shown_for)})"
+        gallery_rows.append((label, imgs))
+        labels[label] = captions
     order = [summary[f"{k}_sample_psnr255"] for k in kinds]
     summary["ordering"] = " > ".join(f"{k} ({v:.2f} dB)" for k, v in sorted(zip(kinds, order), key=lambda kv: -kv[1]))
     if kinds == ["rep", "proto", "ent_rep"]:
         summary["paper_ordering_holds"] = bool(order[0] > order[1] > order[2])
+    # an attack below its prior failed: ranking it says nothing about how much its artifact leaks
+    failed = [k for k in kinds if summary.get(f"{k}_failed")]
+    unproven = [k for k in kinds if summary.get(f"{k}_verdict") != LEAKS and k not in failed]
+    summary["ordering_meaningful"] = not failed and not unproven
+    if failed or unproven:
+        why = []
+        if failed:
+            why.append(f"the attack on {', '.join(failed)} scored below its prior (it failed)")
+        if unproven:
+            why.append(f"{', '.join(unproven)} showed no evidence beyond the prior")
+        summary["ordering_note"] = (
+            f"the ordering is not evidence that an artifact leaks less: {'; '.join(why)}. Read each kind's verdict, not its rank."
+        )
     rule = "(a) each reconstruction against the same sample image; (b) best match in the artifact's aggregate"
     protocol = {
         **base_protocol(attack, run, deterministic),

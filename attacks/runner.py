@@ -185,7 +185,7 @@ def run_attack(
             )
     truth = run.ground_truth(data_root)  # opened only now, for scoring
     family = KINDS.get(kind).family
-    scorer = scorer_for(family, attack.produces, membership)
+    scorer = scorer_for(family, attack.produces, membership, seed=attack.seed)
     title = f"{kind} r{rnd}" if family.value.endswith("representation") else f"{attack.name} final"
     scored = scorer.score(recons, truth, title, seconds)
     protocol = {

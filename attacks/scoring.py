@@ -1,15 +1,9 @@
 """Scoring reconstructions against ground truth, by the artifact's family (metrics side only).
 
-Which images a reconstruction is compared with (the FedRE papers leave it open, shared/specs/fedre.md §2.4):
-
-- per-sample representation (row i of a ``rep``-like message): its own image (``exact``);
-- aggregate representation: the images behind it, weighted as the message weighted them when the
-  ground truth says so (an entangled representation's RE weights), else the client's training images
-  of the row's class (prototypes; every client's for a server's global prototype), else the samples
-  behind the message with equal weights. Reported twice: against the best-matching image (``best``,
-  the worst case for privacy) and as the weighted mean over them (``mean``);
-- gradient or parameters: the samples behind the message; an exact batch is matched to them with the
-  Hungarian algorithm, a reconstruction of a larger set to its best match.
+Which true images a reconstruction is compared with is :mod:`attacks.matching`'s rule. Every image
+result is scored beside the attacker's priors (:mod:`attacks.priors`: blank, population mean, the class
+mean of what the message reveals), with identification rates, bootstrap intervals and a verdict
+(:mod:`attacks.calibration`), so that a failed attack never reads as protection.
 
 :class:`RepresentationScorer` and :class:`BatchScorer` turn a list of reconstructions into per-image
 rows, a summary, and what the gallery shows.
@@ -23,85 +17,12 @@ from typing import Any, cast
 import torch
 
 from attacks.base import Reconstruction, Target
-from attacks.metrics import best_match, hungarian_match, mse, score_images, ssim, summarize
-from privfl.errors import CaptureError
+from attacks.calibration import Item, calibrate, headline_fields, identification_item
+from attacks.matching import MEAN_SSIM_LIMIT, Candidates, candidates, headline, sample_ids, score
+from attacks.metrics import best_match, hungarian_match, score_images, summarize
+from attacks.priors import PriorBank, one_hot, revealed_classes
 from privfl.kinds import Family
 from privfl.run import GroundTruth
-
-MEAN_SSIM_LIMIT = 512
-
-
-@dataclass
-class Candidates:
-    images: torch.Tensor  # (M, C, H, W) in [0, 1]
-    weights: torch.Tensor  # (M,) summing to 1
-    exact: int | None = None  # index of the image this target is exactly about, if any
-    description: str = ""
-
-
-def sample_ids(t: dict[str, torch.Tensor], seq: int) -> torch.Tensor:
-    """The ids of the samples behind message ``seq``, or a one-line error naming the fix (the sender
-    passed no ``truth={"indices": ...}``), instead of a KeyError deep in scoring."""
-    if "indices" not in t:
-        raise CaptureError(
-            f"message {seq} was sent without the ids of the samples behind it, so its reconstruction cannot be scored: "
-            "send it with truth={'indices': sample ids} (self.send(Message(...), truth))"
-        )
-    return t["indices"]
-
-
-def candidates(truth: GroundTruth, target: Target) -> Candidates:
-    """The images behind ``target`` (see the module docstring)."""
-    family = target.family
-    seq = target.message_seq
-    t = truth.message_truth(seq) if seq is not None and truth.has_message(seq) else {}
-    if family is Family.PER_SAMPLE_REPRESENTATION:
-        assert target.row is not None  # a per-sample target is one row of its message
-        idx = sample_ids(t, cast(int, seq))[target.row : target.row + 1]
-        return Candidates(truth.images(idx), torch.ones(1), 0, "its own image")
-    if "weights" in t:
-        keep = t["weights"] > 0
-        w = t["weights"][keep].float()
-        idx = sample_ids(t, cast(int, seq))[keep]
-        return Candidates(truth.images(idx), w / w.sum(), None, f"the client's {int(keep.sum())} training images, RE-weighted")
-    if target.class_id is not None:
-        everyone = target.record is not None and target.record["sender"] == "server"
-        pool = torch.cat(list(truth.train.values())) if everyone else truth.client_train(target.client)
-        idx = pool[truth.labels[pool] == target.class_id]
-        where = "all clients'" if everyone else "the client's"
-        return Candidates(truth.images(idx), torch.full((len(idx),), 1.0 / len(idx)), None, f"{where} {len(idx)} training images of its class")
-    idx = t["indices"] if "indices" in t else truth.client_train(target.client)
-    return Candidates(truth.images(idx), torch.full((len(idx),), 1.0 / len(idx)), None, f"the {len(idx)} samples behind the message")
-
-
-def _single(recon: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
-    return {k: v[0] for k, v in score_images(recon.unsqueeze(0), truth.unsqueeze(0)).items()}
-
-
-def score(recon: torch.Tensor, cand: Candidates) -> dict[str, float | int]:
-    """Flat dict: exact_* (if any), best_*, mean_* metrics and best_index, for one image (C, H, W)."""
-    out: dict[str, float | int] = {}
-    if cand.exact is not None:
-        out.update({f"exact_{k}": v for k, v in _single(recon, cand.images[cand.exact]).items()})
-    idx, _ = best_match(recon.unsqueeze(0), cand.images)
-    out["best_index"] = int(idx)
-    out.update({f"best_{k}": v for k, v in _single(recon, cand.images[idx]).items()})
-    w = cand.weights.double()
-    m = mse(recon.unsqueeze(0).expand_as(cand.images), cand.images)  # (M,) on [0, 1]
-    capped_psnr = torch.clamp(10 * torch.log10(1.0 / m.clamp_min(1e-10)), max=100.0)
-    out["mean_mse"] = float((w * m).sum())
-    out["mean_mse255"] = float((w * m * 255.0**2).sum())
-    out["mean_psnr"] = float((w * capped_psnr).sum())
-    out["mean_psnr255"] = out["mean_psnr"]  # PSNR does not depend on the scale; kept for the paper's naming
-    top = torch.argsort(w, descending=True)[:MEAN_SSIM_LIMIT]
-    s = ssim(recon.unsqueeze(0).expand(len(top), *recon.shape), cand.images[top])
-    out["mean_ssim"] = float((w[top] * s).sum() / w[top].sum())
-    return out
-
-
-def headline(scores: dict[str, float | int]) -> str:
-    """The prefix that best describes a target: its own image when it has one, else the best match."""
-    return "exact" if "exact_psnr" in scores else "best"
 
 
 @dataclass
@@ -122,15 +43,21 @@ class Scored:
 
 
 class RepresentationScorer:
-    """Exact / best / weighted-mean scores of one image per target (representation families)."""
+    """Exact / best / weighted-mean scores of one image per target (representation families), beside the
+    attacker's priors, with identification, intervals and a verdict."""
 
     rule = "per-sample: its own image; aggregates: best match and (weighted) mean over the aggregate's images"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
         rows: list[dict[str, Any]] = []
         truth_images: list[torch.Tensor] = []
         captions: list[str] = []
         labels: list[str] = []
+        items: list[Item] = []
+        num_classes = len(truth.dataset.class_names)
         for r in recons:
             cand = candidates(truth, r.target)
             s = score(r.image, cand)
@@ -154,6 +81,8 @@ class RepresentationScorer:
                     "headline": h,
                 }
             )
+            ident = identification_item(truth, t.client, cand.indices)
+            items.append(Item(r.image, cand, h, t.client, s, revealed_classes(t, num_classes), ident))
         summary: dict[str, Any] = {
             "targets": len(rows),
             "seconds_total": round(seconds, 2),
@@ -162,23 +91,32 @@ class RepresentationScorer:
         for prefix in ("exact", "best", "mean"):
             per = {m: [row[f"{prefix}_{m}"] for row in rows if f"{prefix}_{m}" in row] for m in ("psnr255", "mse255", "psnr", "mse", "ssim", "lpips")}
             summary.update({f"{prefix}_{k}": v for k, v in summarize({m: v for m, v in per.items() if v}).items()})
+        cal = calibrate(items, truth, PriorBank(truth, self.seed), self.seed)
+        for row, extra in zip(rows, cal.rows):
+            row.update(extra)
+        summary.update(headline_fields(cal.summary))
+        summary["calibration"] = cal.summary
         images = torch.stack([r.image for r in recons])
         return Scored(
             rows,
             summary,
             torch.stack(truth_images),
-            [(title, images)],
+            [(title, images), *cal.gallery],
             captions,
-            {title: labels},
+            {title: labels, **cal.labels},
             self.rule,
             "exact_psnr255" if "exact_psnr255" in summary else "best_psnr255",
         )
 
 
 class BatchScorer:
-    """Images rebuilt from a gradient or parameter message, matched to the samples behind it."""
+    """Images rebuilt from a gradient or parameter message, matched to the samples behind it, beside the
+    attacker's priors (the class prior from the labels the attack recovered from the message)."""
 
     rule = "hungarian matching over an exact batch; otherwise each image's best match in the message's samples"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
         rows: list[dict[str, Any]] = []
@@ -186,11 +124,14 @@ class BatchScorer:
         final_row: list[torch.Tensor] = []
         snap_rows: dict[int, list[torch.Tensor]] = {}
         labels: list[str] = []
+        items: list[Item] = []
+        num_classes = len(truth.dataset.class_names)
         for r in recons:
             seq = r.target.message_seq
             assert seq is not None  # gradients and parameters are attacked in captured messages only
             t = truth.message_truth(seq)
-            cand = truth.images(sample_ids(t, seq))
+            ids = sample_ids(t, seq)
+            cand = truth.images(ids)
             images = r.images
             assert images is not None  # image attacks only (scorer_for routes label-only attacks elsewhere)
             batch = int(r.notes.get("batch_size", len(images)))
@@ -217,17 +158,34 @@ class BatchScorer:
                 labels.append(f"PSNR {s['psnr']:.1f} dB")
                 for step, x in r.snapshots[:-1]:
                     snap_rows.setdefault(step, []).append(x[i])
+                # the same rule for the priors: the matched image of an exact batch, else the best of the message's samples
+                c = (
+                    Candidates(cand[j : j + 1], torch.ones(1), 0, "its matched image", ids[j : j + 1])
+                    if exact
+                    else Candidates(cand, torch.full((len(cand),), 1.0 / len(cand)), None, "the message's samples", ids)
+                )
+                prefix = "exact" if exact else "best"
+                label = int(r.labels[i]) if r.labels is not None else None
+                ident = identification_item(truth, r.target.client, c.indices)
+                prefixed = {f"{prefix}_{k}": v for k, v in s.items()}
+                items.append(Item(images[i], c, prefix, r.target.client, prefixed, one_hot(label, num_classes), ident))
         summary = {
             "images": len(rows),
             "messages": len(recons),
             "seconds_per_message": round(sum(r.seconds for r in recons) / max(len(recons), 1), 2),
             **summarize({m: [row[m] for row in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim")}),
         }
+        cal = calibrate(items, truth, PriorBank(truth, self.seed), self.seed)
+        for row, extra in zip(rows, cal.rows):
+            row.update(extra)
+        summary.update(headline_fields(cal.summary))
+        summary["calibration"] = cal.summary
         steps = sorted(snap_rows)
         shown = [steps[i] for i in sorted({0, len(steps) // 2, len(steps) - 1})] if steps else []
         gallery = [(f"step {st}", torch.stack(snap_rows[st])) for st in shown if len(snap_rows[st]) == len(final_row)]
         gallery.append((title, torch.stack(final_row)))
-        return Scored(rows, summary, torch.stack(truth_row), gallery, [row["client"] for row in rows], {title: labels}, self.rule)
+        gallery += cal.gallery
+        return Scored(rows, summary, torch.stack(truth_row), gallery, [row["client"] for row in rows], {title: labels, **cal.labels}, self.rule)
 
 
 def true_classes(truth: GroundTruth, target: Target) -> torch.Tensor:
@@ -359,21 +317,23 @@ class MembershipScorer:
 
 
 def scorer_for(
-    family: Family, produces: frozenset[str] = frozenset({"images"}), membership: dict[str, torch.Tensor] | None = None
+    family: Family, produces: frozenset[str] = frozenset({"images"}), membership: dict[str, torch.Tensor] | None = None, seed: int = 0
 ) -> RepresentationScorer | BatchScorer | LabelScorer | MembershipScorer:
-    """The scoring rule for an attack's output on a kind of ``family``."""
+    """The scoring rule for an attack's output on a kind of ``family`` (``seed``: the priors' population
+    subset and the bootstrap intervals)."""
     if "membership" in produces:
         return MembershipScorer(membership or {})
     if "images" not in produces:
         return LabelScorer()
     if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
-        return RepresentationScorer()
+        return RepresentationScorer(seed)
     if family in (Family.GRADIENT, Family.PARAMETERS):
-        return BatchScorer()
+        return BatchScorer(seed)
     raise ValueError(f"no image scoring rule for the {family} family yet")
 
 
 __all__ = [
+    "MEAN_SSIM_LIMIT",
     "BatchScorer",
     "Candidates",
     "LabelScorer",
@@ -383,6 +343,7 @@ __all__ = [
     "candidates",
     "headline",
     "roc",
+    "sample_ids",
     "score",
     "scorer_for",
     "true_classes",

@@ -322,6 +322,8 @@ def list_attacks(run: Any) -> int:
 
 
 def print_report(report: Any) -> None:
+    from attacks.calibration import describe
+
     s = report.summary
     if "f1" in s:  # label inference
         print(f"{report.attack} on {report.kind} r{report.round}: {s['messages']} message(s)")
@@ -337,11 +339,15 @@ def print_report(report: Any) -> None:
             f"{s['seconds_per_message']:.1f} s per message"
         )
         print(f"  PSNR {s['psnr']:.2f} dB (0-255 MSE {s['mse255']:.1f}), SSIM {s['ssim']:.3f}")
+    for line in describe(s.get("calibration", {})):
+        print(line)
     if report.folder is not None:
         print(f"  results: {report.folder}/index.html")
 
 
 def print_compare(report: Any) -> None:
+    from attacks.calibration import describe
+
     s, p = report.summary, report.protocol
     kinds = p["compare"]
     print(f"compare {', '.join(kinds)} on {p['client']} r{p['round']}: {s['seconds_per_target']:.2f} s per target")
@@ -350,7 +356,11 @@ def print_compare(report: Any) -> None:
             f"  {k:<8}{' (counterfactual)' if s[k + '_counterfactual'] else '':<17} PSNR {s[k + '_sample_psnr255']:6.2f} dB"
             f"  MSE(0-255) {s[k + '_sample_mse255']:9.2f}  SSIM {s[k + '_sample_ssim']:.3f}"
         )
+        for line in describe(s.get(f"{k}_calibration", {}), indent="      "):
+            print(line)
     print(f"  ordering: {s['ordering']}")
+    if s.get("ordering_note"):
+        print(f"  {s['ordering_note']}")
     if report.folder is not None:
         print(f"  results: {report.folder}/index.html")
 
