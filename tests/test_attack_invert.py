@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from attacks.dip import DIPConfig, invert
+from attacks.priors import LEAKS, NO_EVIDENCE, PRIORS
 from attacks.metrics import psnr
 from privfl.attack import main as attack_main
 from privfl.cli import run_cli
@@ -176,12 +177,21 @@ def test_cli_invert_and_compare_write_results(fedre_run, capsys):
     assert len(data["images"]) == 2 and data["protocol"]["threat_model"] == "curious-server-whitebox-extractor"
     assert data["protocol"]["lpips"].startswith(("computed", "unavailable"))
     assert {"best_psnr255", "mean_mse255", "best_ssim"} <= set(data["summary"])
+    # every image result is shown against the attacker's prior, with an interval and a verdict
+    summary = data["summary"]
+    assert summary["verdict"] in (LEAKS, NO_EVIDENCE) and summary["strongest_prior"] in PRIORS
+    assert summary["gain_psnr_low"] <= summary["gain_psnr"] <= summary["gain_psnr_high"]
+    assert set(summary["calibration"]["prior"]) == set(PRIORS) and "prior_label_mixture_psnr255" in data["images"][0]
     assert (folder / "gallery.png").stat().st_size > 0 and "gallery.png" in (folder / "index.html").read_text()
     assert attack_main(["invert", "--compare", "rep,proto,ent_rep", "--run", str(fedre_run), "--steps", "3", "--no-progress", "--samples", "3"]) == 0
     folder = next((fedre_run / "attacks").glob("compare-*"))
     data = json.loads((folder / "metrics.json").read_text())
     assert data["protocol"]["counterfactual"] == {"rep": True, "proto": True, "ent_rep": False}
     assert len(data["images"]) == 9 and "ordering" in data["summary"]
+    assert all(data["summary"][f"{k}_verdict"] in (LEAKS, NO_EVIDENCE) for k in ("rep", "proto", "ent_rep"))
+    assert "prior: " in (folder / "index.html").read_text() or (folder / "gallery.png").exists()
+    if not data["summary"]["ordering_meaningful"]:  # 3 DIP steps fail: the ordering must say it compares failures
+        assert "not evidence that an artifact leaks less" in data["summary"]["ordering_note"]
     # each target's final feature error is recorded, so convergence can be checked from the outputs
     assert all(row["feature_mse"] >= 0 for row in data["images"])
     assert all(data["summary"][f"{k}_feature_mse"] >= 0 for k in ("rep", "proto", "ent_rep"))
@@ -240,3 +250,58 @@ def test_cli_errors(fedre_run, tmp_path, capsys):
     shutil.copytree(fedre_run / "knowledge", bare / "knowledge")
     assert "checksum" in _err(capsys, ["invert", "--artifact", "ent_rep", "--run", str(bare), "--steps", "1", "--clients", rec["sender"]])
     assert "not a privfl run" in _err(capsys, ["invert", "--artifact", "ent_rep", "--run", str(tmp_path)])
+
+
+def test_bootstrap_intervals_and_chance_have_known_answers():
+    from math import comb
+
+    from attacks.priors import bootstrap_mean, chance
+
+    iv = bootstrap_mean([1.0, 2.0, 3.0, 4.0], seed=0)
+    assert iv["mean"] == 2.5 and 1.0 <= iv["low"] < 2.5 < iv["high"] <= 4.0 and iv["n"] == 4
+    assert bootstrap_mean([1.0, 2.0, 3.0, 4.0], seed=0) == iv  # seeded
+    wide = bootstrap_mean([0.0, 10.0] * 4, ["a", "a", "b", "b", "c", "c", "d", "d"], seed=1)
+    narrow = bootstrap_mean([5.0] * 8, ["a", "a", "b", "b", "c", "c", "d", "d"], seed=1)
+    assert wide["low"] < 5.0 < wide["high"] and narrow["low"] == narrow["high"] == 5.0
+    # clients whose targets all agree: the cluster bootstrap's interval is set by the spread between clients
+    clustered = bootstrap_mean([0.0] * 10 + [10.0] * 10, ["a"] * 10 + ["b"] * 10, seed=2)
+    flat = bootstrap_mean([0.0] * 10 + [10.0] * 10, seed=2)
+    assert clustered["high"] - clustered["low"] > flat["high"] - flat["low"]
+    assert bootstrap_mean([3.0])["low"] == 3.0 and bootstrap_mean([float("nan")])["n"] == 0
+    for k, m, pool in ((1, 1, 50), (5, 1, 50), (5, 3, 20), (2, 19, 20), (1, 20, 20)):
+        assert chance(k, m, pool) == pytest.approx(1 - comb(pool - m, k) / comb(pool, k))
+
+
+def test_calibration_reads_the_truth_as_leaking_and_the_prior_itself_as_not(fedre_run):
+    """Known answers: the true images themselves leak beyond every prior and are identified; the strongest
+    prior handed in as the 'reconstruction' shows no gain; a grey image below the prior is flagged failed."""
+    from attacks.calibration import Item, calibrate, identification_item
+    from attacks.matching import Candidates, score
+    from attacks.priors import PriorBank, one_hot
+    from privfl.run import Run
+
+    truth = Run.open(fedre_run).ground_truth()
+    bank = PriorBank(truth, seed=0)
+    pools = {c: truth.client_train(c)[:3] for c in ("client0", "client1")}
+
+    def items(pick) -> list[Item]:
+        out = []
+        for client, idx in pools.items():
+            for i in idx:
+                one = i.view(1)
+                cand = Candidates(truth.images(one), torch.ones(1), 0, "own", one)
+                weights = one_hot(int(truth.labels[i]), 10)
+                image = pick(client, truth.images(one)[0], weights)
+                out.append(Item(image, cand, "exact", client, score(image, cand), weights, identification_item(truth, client, one)))
+        return out
+
+    exact = calibrate(items(lambda c, x, w: x), truth, bank).summary
+    assert exact["verdict"] == LEAKS and exact["gain"]["psnr255"]["low"] > 20 and not exact["failed"]
+    for space in ("pixel", "feature"):
+        assert exact["identification"][space]["top1"]["mean"] == 1.0
+        assert exact["identification"][space]["chance_top1"] == pytest.approx(1 / len(truth.client_train("client0")), rel=0.2)
+    strongest = exact["strongest_prior"]
+    itself = calibrate(items(lambda c, x, w: bank.images(c, w)[strongest]), truth, bank).summary
+    assert itself["gain"]["psnr255"]["mean"] == 0.0 and itself["verdict"] == NO_EVIDENCE and not itself["failed"]
+    grey = calibrate(items(lambda c, x, w: torch.full_like(x, 0.5)), truth, bank).summary
+    assert grey["failed"] and grey["verdict"] == NO_EVIDENCE and "it failed" in grey["verdict_detail"]
