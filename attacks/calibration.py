@@ -180,11 +180,17 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     for what, iv, unit in checks:
         if iv["n"] >= 1 and (iv["low"] > 0 if iv["n"] > 1 else iv["mean"] > 0):
             evidence.append(f"{what} {interval_text(iv, unit)}")
-    psnr = summary.get("gain", {}).get("psnr255")
+    gains = summary.get("gain", {})
     strongest = summary.get("strongest_prior", "")
-    failed = bool(psnr is not None and psnr["mean"] < 0)
-    prior_psnr = summary.get("prior", {}).get(strongest, {}).get("psnr255", float("nan"))
-    head = f"PSNR gain over {strongest.replace('_', ' ')} ({prior_psnr:.2f} dB): {interval_text(psnr, ' dB')}" if psnr is not None else "no PSNR"
+    primary = next(iter(gains), None)  # psnr255 for images, f1 for labels: what "below the prior" is judged on
+    failed = bool(primary is not None and gains[primary]["mean"] < 0)
+    if primary is None:
+        head = "no gain measured"
+    else:
+        unit = " dB" if primary == "psnr255" else ""
+        name = "PSNR" if primary == "psnr255" else primary.upper()
+        value = summary.get("prior", {}).get(strongest, {}).get(primary, float("nan"))
+        head = f"{name} gain over {strongest.replace('_', ' ')} ({value:.2f}{unit}): {interval_text(gains[primary], unit)}"
     if evidence:
         detail = f"{LEAKS}: " + "; ".join(evidence)
     elif failed:
@@ -213,8 +219,11 @@ def describe(summary: dict[str, Any], indent: str = "  ") -> list[str]:
         return []
     priors = summary["prior"]
     strongest = summary["strongest_prior"]
-    listed = ", ".join(f"{n.replace('_', ' ')} {v['psnr255']:.2f}" for n, v in priors.items())
-    lines = [f"{indent}prior: {strongest.replace('_', ' ')} {priors[strongest]['psnr255']:.2f} dB, the strongest of ({listed} dB)"]
+    if "psnr255" in priors[strongest]:
+        listed = ", ".join(f"{n.replace('_', ' ')} {v['psnr255']:.2f}" for n, v in priors.items())
+        lines = [f"{indent}prior: {strongest.replace('_', ' ')} {priors[strongest]['psnr255']:.2f} dB, the strongest of ({listed} dB)"]
+    else:
+        lines = [f"{indent}prior: {strongest.replace('_', ' ')} (" + ", ".join(f"{m} {v:.3f}" for m, v in priors[strongest].items()) + ")"]
     gains = summary.get("gain", {})
     parts = [
         f"{m.replace('255', '').upper()} {interval_text(iv, ' dB', 2) if m == 'psnr255' else interval_text(iv, '', 3)}" for m, iv in gains.items()

@@ -207,14 +207,22 @@ class LabelScorer:
     Per message: precision (named classes that are really there), recall (present classes named), F1,
     whether the sets are equal, and the L1 distance between the normalised class histograms (0: exact
     proportions, 2: disjoint); an attack that names a set without shares is scored as uniform over it.
-    The summary averages over messages."""
+    The summary averages over messages.
+
+    The prior is what an attacker says without the message: every class, in the population's class
+    shares (other clients' held-out samples). Its F1 and L1 are scored the same way, and the attack is
+    reported as its gain (F1 higher, L1 lower) with bootstrap intervals and a verdict."""
 
     rule = "recovered classes and shares against the label histogram of the samples behind the message"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
         rows: list[dict[str, Any]] = []
         grid: list[tuple[str, list[int], list[int]]] = []
         num_classes = len(truth.dataset.class_names)
+        bank = PriorBank(truth, self.seed)
         for r in recons:
             labels = true_classes(truth, r.target)
             hist = torch.bincount(labels, minlength=num_classes).double()
@@ -234,12 +242,19 @@ class LabelScorer:
             precision = hit / len(found) if found else 1.0
             recall = hit / len(true) if true else 1.0
             f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+            prior = label_prior(bank, r.target, num_classes)
+            prior_f1 = 2 * (len(true) / num_classes) / (len(true) / num_classes + 1) if true else 0.0  # every class named: recall 1
+            prior_l1 = float((prior - hist).abs().sum())
             rows.append(
                 {
                     "client": r.target.client,
                     "round": r.target.round,
                     "kind": r.target.kind,
                     "message_seq": r.target.message_seq,
+                    "prior_f1": prior_f1,
+                    "prior_l1": prior_l1,
+                    "gain_f1": f1 - prior_f1,
+                    "gain_l1": prior_l1 - float((est - hist).abs().sum()),
                     "recovered": sorted(found),
                     "true": sorted(true),
                     "precision": precision,
@@ -259,7 +274,30 @@ class LabelScorer:
             "seconds_per_message": round(seconds / max(len(rows), 1), 3),
             **summarize({m: [float(row[m]) for row in rows] for m in ("precision", "recall", "f1", "exact", "l1")}),
         }
+        summary.update(label_verdict(rows, self.seed))
         return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="recall", label_grid=grid)
+
+
+def label_prior(bank: PriorBank, target: Target, num_classes: int) -> torch.Tensor:
+    """The class shares an attacker assumes without the message: the population's (C,), float64."""
+    client = target.client if target.record is None or target.record["sender"] != "server" else None
+    labels = bank.population(client).labels
+    hist = torch.bincount(labels, minlength=num_classes).double()
+    return hist / hist.sum().clamp_min(1)
+
+
+def label_verdict(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    """Gains of label inference over its prior (naming every class in the population's shares), with
+    intervals over messages (clients, then messages), and the verdict."""
+    from attacks.calibration import verdict
+    from attacks.priors import bootstrap_mean
+
+    clients = [row["client"] for row in rows]
+    gain = {m: bootstrap_mean([row[f"gain_{m}"] for row in rows], clients, seed=seed) for m in ("f1", "l1")}
+    prior = {"every_class": {m: float(sum(row[f"prior_{m}"] for row in rows) / max(len(rows), 1)) for m in ("f1", "l1")}}
+    cal = {"prior": prior, "strongest_prior": "every_class", "gain": gain}
+    cal.update(verdict(cal))
+    return {"verdict": cal["verdict"], "gain_f1": gain["f1"]["mean"], "gain_l1": gain["l1"]["mean"], "calibration": cal}
 
 
 def roc(scores: torch.Tensor, members: torch.Tensor) -> tuple[float, float, float, list[float], list[float]]:
@@ -324,7 +362,7 @@ def scorer_for(
     if "membership" in produces:
         return MembershipScorer(membership or {})
     if "images" not in produces:
-        return LabelScorer()
+        return LabelScorer(seed)
     if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
         return RepresentationScorer(seed)
     if family in (Family.GRADIENT, Family.PARAMETERS):
