@@ -89,3 +89,34 @@ def available(view: AttackerView) -> Knowledge:
         candidates=True,  # the membership game's challenger (the runner) always hands these over
         population=True,
     )
+
+
+#: the threat-model classes of Carletti et al., "SoK: Gradient Inversion Attacks in Federated Learning"
+#: (USENIX Security 2025, its threat-model table): what a passive attacker holds beyond the messages (A-E), and whether it
+#: manipulates the model or the clients (F-H). privfl's attacks are passive, so they fall in A-E.
+SOK_CLASSES = {
+    "A": "eavesdropper: the model updates only",
+    "B": "informed eavesdropper: updates and the model's architecture",
+    "C": "parameter-aware eavesdropper: updates, architecture and training details (hyperparameters)",
+    "D": "data-enhanced eavesdropper: as C, plus surrogate data from the same distribution",
+    "E": "statistical-informed eavesdropper: as D, plus the client's data distribution (e.g. batch statistics)",
+    "F": "active manipulator: modifies the model sent to clients",
+    "G": "data-enhanced manipulator: as F, with surrogate data",
+    "H": "active client manipulator: as G, and chooses which clients train",
+}
+
+
+def sok_class(threat_model: str) -> tuple[str, str]:
+    """(letter, text) of a privfl threat model in the SoK's classes, from the knowledge it grants: population
+    data is the SoK's surrogate data (D); a previous state or local hyperparameters are training details (C);
+    a client's extractor is white-box knowledge of a private model, which the SoK's classes do not cover, so
+    such models are marked ``B+`` (more than the architecture, no training details); otherwise A."""
+    knowledge = THREAT_MODELS[threat_model][0]
+    extra = " (+ the client's private extractor, beyond the SoK's classes)" if knowledge.extractor else ""
+    if knowledge.population:
+        return "D", SOK_CLASSES["D"] + extra
+    if knowledge.previous_state or knowledge.local_hyperparameters:
+        return "C", SOK_CLASSES["C"] + extra
+    if knowledge.extractor:
+        return "B+", SOK_CLASSES["B"] + extra
+    return "A", SOK_CLASSES["A"]
