@@ -1,10 +1,13 @@
-"""The audit's report: ``report.json`` (schema ``privfl-audit/1``), a self-contained ``report.html`` and
+"""The audit's report: ``report.json`` (schema ``privfl-audit/2``), a self-contained ``report.html`` and
 the privacy-utility figure.
 
 ``report.json`` is versioned by its ``schema`` field and validated against :data:`SCHEMA` (JSON Schema
 2020-12; ``python -m privfl.audit --schema`` prints it, docs/audit.md explains every field). A change
-that removes or renames a field bumps the version; new optional fields do not. ``report.html`` embeds
-every picture as a data URI, so it opens offline and can be mailed as one file.
+that removes, renames or changes the meaning of a field bumps the version; new optional fields do not.
+``privfl-audit/2`` chooses each family's strongest result by its gain over the attacker's prior and gives
+every result a verdict; :func:`read_report` still reads ``privfl-audit/1`` reports (their verdicts are
+``null``: they were never measured against a prior). ``report.html`` embeds every picture as a data URI,
+so it opens offline and can be mailed as one file.
 """
 
 from __future__ import annotations
@@ -19,28 +22,34 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attacks.threat import THREAT_MODELS
+from attacks.threat import THREAT_MODELS, sok_class
 from privfl.capture.store import atomic_write_bytes, atomic_write_text
 from privfl.kinds import KINDS
 
 if TYPE_CHECKING:
     from attacks.audit import AttackOutcome, Profile, Subject
 
-SCHEMA_VERSION = "privfl-audit/1"
+SCHEMA_VERSION = "privfl-audit/2"
+#: versions :func:`read_report` reads
+READABLE_VERSIONS = ("privfl-audit/1", SCHEMA_VERSION)
+LEAKS = "leaks beyond the prior"
+NO_EVIDENCE = "no evidence beyond the prior at this budget"
 #: differences below these count as "about as much" in the comparison sentences
 MARGINS = {"reconstruction": 0.5, "labels": 0.05, "membership": 0.02}
 
 _NUM = {"type": ["number", "null"]}
+_VERDICT = {"enum": [LEAKS, NO_EVIDENCE, None]}
 _BEST: dict[str, Any] = {
     "type": ["object", "null"],
-    "required": ["attack", "round", "threat_model", "threat_model_text"],
+    "required": ["attack", "round", "threat_model", "threat_model_text", "sok_threat_model", "verdict"],
     "properties": {"attack": {"type": "string"}, "round": {"type": "integer"}, "threat_model": {"type": "string"},
-                   "threat_model_text": {"type": "string"}, "folder": {"type": ["string", "null"]},
-                   "warnings": {"type": "array", "items": {"type": "string"}}},
+                   "threat_model_text": {"type": "string"}, "sok_threat_model": {"type": "string"},
+                   "sok_threat_model_text": {"type": "string"}, "verdict": _VERDICT, "verdict_detail": {"type": ["string", "null"]},
+                   "folder": {"type": ["string", "null"]}, "warnings": {"type": "array", "items": {"type": "string"}}},
 }  # fmt: skip
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://privfl.dev/schemas/privfl-audit-1.json",
+    "$id": "https://privfl.dev/schemas/privfl-audit-2.json",
     "title": "privfl audit report",
     "type": "object",
     "required": ["schema", "privfl_version", "created", "subject", "profile", "seed", "seconds", "methods", "figure"],
@@ -74,28 +83,34 @@ SCHEMA: dict[str, Any] = {
                     "communication": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
                     "privacy": {
                         "type": "object",
-                        "required": ["best_psnr", "label_recall", "membership_auc"],
-                        "properties": {"best_psnr": _NUM, "label_recall": _NUM, "membership_auc": _NUM},
+                        "required": ["best_psnr", "best_gain_psnr", "label_recall", "membership_auc", "leaks"],
+                        "properties": {"best_psnr": _NUM, "best_gain_psnr": _NUM, "label_recall": _NUM, "membership_auc": _NUM,
+                                       "leaks": {"type": "array", "items": {"type": "string"}}},
                     },
                     "kinds": {
                         "type": "array",
                         "items": {
                             "type": "object",
-                            "required": ["kind", "family", "directions", "reconstruction", "labels", "membership", "results",
+                            "required": ["kind", "family", "directions", "verdict", "reconstruction", "labels", "membership", "results",
                                          "not_applicable", "comparison"],
                             "properties": {
                                 "kind": {"type": "string"},
                                 "family": {"type": "string"},
                                 "directions": {"type": "array", "items": {"enum": ["up", "down", "peer"]}},
+                                "verdict": _VERDICT,
                                 "reconstruction": {**_BEST, "properties": {**_BEST["properties"], "psnr": _NUM, "ssim": _NUM, "lpips": _NUM,
-                                                                           "lpips_note": {"type": "string"}}},
-                                "labels": {**_BEST, "properties": {**_BEST["properties"], "recall": _NUM, "precision": _NUM, "l1": _NUM}},
+                                                                           "lpips_note": {"type": "string"}, "prior_psnr": _NUM,
+                                                                           "strongest_prior": {"type": ["string", "null"]}, "gain_psnr": _NUM,
+                                                                           "gain_psnr_low": _NUM, "gain_psnr_high": _NUM, "ident_top1": _NUM,
+                                                                           "ident_chance_top1": _NUM, "ident_prior_top1": _NUM}},
+                                "labels": {**_BEST, "properties": {**_BEST["properties"], "recall": _NUM, "precision": _NUM, "l1": _NUM,
+                                                                   "gain_f1": _NUM, "gain_l1": _NUM}},
                                 "membership": {**_BEST, "properties": {**_BEST["properties"], "auc": _NUM, "tpr_at_1pct_fpr": _NUM,
                                                                        "advantage": _NUM}},
                                 "results": {"type": "array", "items": {
                                     "type": "object", "required": ["attack", "family", "round", "threat_model", "metrics"],
                                     "properties": {"attack": {"type": "string"}, "family": {"enum": ["reconstruction", "labels", "membership"]},
-                                                   "round": {"type": "integer"}, "threat_model": {"type": "string"},
+                                                   "round": {"type": "integer"}, "threat_model": {"type": "string"}, "verdict": _VERDICT,
                                                    "metrics": {"type": "object"}, "folder": {"type": ["string", "null"]},
                                                    "seconds": {"type": "number"}, "warnings": {"type": "array", "items": {"type": "string"}}}}},
                                 "not_applicable": {"type": "array", "items": {
@@ -124,20 +139,26 @@ def _result(o: AttackOutcome) -> dict[str, Any]:
     assert o.report is not None and o.round is not None
     s = o.report.summary
     if o.family == "reconstruction":
-        metrics = {
+        metrics: dict[str, Any] = {
             "psnr": reconstruction_psnr(s),
             "ssim": _num(s.get("exact_ssim", s.get("best_ssim", s.get("ssim")))),
             "lpips": _num(s.get("exact_lpips", s.get("best_lpips", s.get("lpips")))),
         }
+        keys = ("prior_psnr", "gain_psnr", "gain_psnr_low", "gain_psnr_high", "ident_top1", "ident_chance_top1", "ident_prior_top1")
+        metrics.update({k: _num(s.get(k)) for k in keys})
+        metrics["strongest_prior"] = s.get("strongest_prior")
     elif o.family == "labels":
-        metrics = {k: _num(s.get(k)) for k in ("recall", "precision", "l1", "exact")}
+        metrics = {k: _num(s.get(k)) for k in ("recall", "precision", "l1", "exact", "gain_f1", "gain_l1")}
     else:
         metrics = {k: _num(s.get(k)) for k in ("auc", "tpr_at_1pct_fpr", "advantage")}
+    calibration = s.get("calibration") if isinstance(s.get("calibration"), dict) else {}
     return {
         "attack": o.attack,
         "family": o.family,
         "round": o.round,
         "threat_model": o.threat_model,
+        "verdict": s.get("verdict"),
+        "verdict_detail": calibration.get("verdict_detail", s.get("verdict_detail")),
         "metrics": metrics,
         "folder": str(o.report.folder) if o.report.folder else None,
         "seconds": round(o.seconds, 2),
@@ -150,11 +171,17 @@ def _best(results: list[dict[str, Any]], family: str, lpips_note: str) -> dict[s
     if not chosen:
         return None
     best = max(chosen, key=lambda r: _rank(r["metrics"], family) or (float("-inf"),))
+    known = best["threat_model"] in THREAT_MODELS
+    letter, letter_text = sok_class(best["threat_model"]) if known else ("?", "not a registered threat model")
     out = {
         "attack": best["attack"],
         "round": best["round"],
         "threat_model": best["threat_model"],
-        "threat_model_text": THREAT_MODELS[best["threat_model"]][1] if best["threat_model"] in THREAT_MODELS else "",
+        "threat_model_text": THREAT_MODELS[best["threat_model"]][1] if known else "",
+        "sok_threat_model": letter,
+        "sok_threat_model_text": letter_text,
+        "verdict": best.get("verdict"),
+        "verdict_detail": best.get("verdict_detail"),
         "folder": best["folder"],
         "warnings": best["warnings"],
         **best["metrics"],
@@ -183,18 +210,24 @@ def method_entry(subject: Subject) -> dict[str, Any]:
         outcomes = [o for o in subject.outcomes if o.kind == kind]
         results = [_result(o) for o in outcomes if o.report is not None]
         directions = sorted({r["direction"] for r in run.attacker.records() if r["kind"] == kind}) if run is not None else []
+        best = {family: _best(results, family, note) for family in ("reconstruction", "labels", "membership")}
+        verdicts = [b["verdict"] for b in best.values() if b is not None and b.get("verdict") is not None]
         entry["kinds"].append({
             "kind": kind, "family": str(KINDS.get(kind).family) if kind in KINDS else "", "directions": directions,
-            "reconstruction": _best(results, "reconstruction", note), "labels": _best(results, "labels", note),
-            "membership": _best(results, "membership", note), "results": results,
+            "verdict": (LEAKS if LEAKS in verdicts else NO_EVIDENCE) if verdicts else None,
+            **best, "results": results,
             "not_applicable": [{"attack": o.attack, "round": o.round, "reason": o.reason, "fix": o.fix} for o in outcomes if o.report is None],
             "comparison": [],
         })  # fmt: skip
     psnrs = [k["reconstruction"]["psnr"] for k in entry["kinds"] if k["reconstruction"] and k["reconstruction"]["psnr"] is not None]
     recalls = [k["labels"]["recall"] for k in entry["kinds"] if k["labels"] and k["labels"]["recall"] is not None]
     aucs = [k["membership"]["auc"] for k in entry["kinds"] if k["membership"] and k["membership"]["auc"] is not None]
+    gains = [k["reconstruction"]["gain_psnr"] for k in entry["kinds"] if k["reconstruction"] and k["reconstruction"].get("gain_psnr") is not None]
+    leaking = sorted({f for k in entry["kinds"] for f in ("reconstruction", "labels", "membership") if k[f] and k[f].get("verdict") == LEAKS})
     entry["privacy"] = {
         "best_psnr": max(psnrs) if psnrs else None,
+        "best_gain_psnr": max(gains) if gains else None,
+        "leaks": leaking,
         "label_recall": max(recalls) if recalls else None,
         "membership_auc": max(aucs) if aucs else None,
     }
@@ -202,9 +235,12 @@ def method_entry(subject: Subject) -> dict[str, Any]:
 
 
 def _rank(result: dict[str, Any], family: str) -> tuple[float, ...] | None:
-    """How much one result leaks, comparable within a family: PSNR; AUC; class recall, then the
-    closeness of the class shares (a smaller histogram L1 leaks more)."""
+    """How much one result leaks, comparable within a family: the PSNR gain over the attacker's prior (the
+    raw PSNR for results scored before priors existed); AUC; class recall, then the closeness of the
+    class shares (a smaller histogram L1 leaks more)."""
     key = {"reconstruction": "psnr", "labels": "recall", "membership": "auc"}[family]
+    if family == "reconstruction" and result.get("gain_psnr") is not None:
+        return (float(result["gain_psnr"]), float(result.get("psnr") or 0.0))
     if result.get(key) is None:
         return None
     if family == "labels":
@@ -212,10 +248,14 @@ def _rank(result: dict[str, Any], family: str) -> tuple[float, ...] | None:
     return (float(result[key]),)
 
 
-def _strongest(entry: dict[str, Any], family: str) -> tuple[tuple[float, ...], str, int] | None:
-    """(rank, kind, round) of a method's strongest result of one attack family."""
-    found = [(rank, k["kind"], k[family]["round"]) for k in entry["kinds"] if k[family] and (rank := _rank(k[family], family)) is not None]
-    return max(found) if found else None
+def _strongest(entry: dict[str, Any], family: str) -> tuple[tuple[float, ...], str, int, str | None] | None:
+    """(rank, kind, round, verdict) of a method's strongest result of one attack family."""
+    found = [
+        (rank, k["kind"], k[family]["round"], k[family].get("verdict"))
+        for k in entry["kinds"]
+        if k[family] and (rank := _rank(k[family], family)) is not None
+    ]
+    return max(found, key=lambda f: f[0]) if found else None
 
 
 def _verb(diff: float, margin: float) -> str:
@@ -225,7 +265,11 @@ def _verb(diff: float, margin: float) -> str:
 def compare(entries: list[dict[str, Any]]) -> None:
     """One plain sentence per attack family and reference, on each kind of the audited (and defended) method."""
     refs = [e for e in entries if e["role"] == "reference"]
-    units = {"reconstruction": ("dB", ".1f", "PSNR"), "labels": ("", ".2f", "class recall"), "membership": ("", ".3f", "membership AUC")}
+    units = {
+        "reconstruction": ("dB", ".1f", "PSNR gain over the prior"),
+        "labels": ("", ".2f", "class recall"),
+        "membership": ("", ".3f", "membership AUC"),
+    }
     for entry in entries:
         if entry["role"] == "reference":
             continue
@@ -245,7 +289,19 @@ def compare(entries: list[dict[str, Any]]) -> None:
                     head = f"{entry['label']}'s {k['kind']}"
                     where = f"{ref['label']}'s {theirs[1]}"
                     diff = rank[0] - theirs[0][0]
-                    if family == "labels" and abs(diff) < MARGINS[family]:  # the same classes named: the shares decide
+                    verdicts = (mine.get("verdict"), theirs[3])
+                    if None not in verdicts and LEAKS not in verdicts:  # two failures or non-results are no ordering
+                        sentence = (
+                            f"{family}: neither {head} nor {where} shows leakage beyond the attacker's prior at this budget "
+                            f"({what} {rank[0]:{fmt}}{u} against {theirs[0][0]:{fmt}}{u}): this is no ordering of the two"
+                        )
+                    elif None not in verdicts and verdicts.count(LEAKS) == 1:
+                        leaker, other = (head, where) if verdicts[0] == LEAKS else (where, head)
+                        sentence = (
+                            f"{family}: {leaker} leaks beyond the attacker's prior, {other} shows no evidence beyond it at this budget "
+                            f"({what} {rank[0]:{fmt}}{u} (round {mine['round']}) against {theirs[0][0]:{fmt}}{u} (round {theirs[2]}))"
+                        )
+                    elif family == "labels" and abs(diff) < MARGINS[family]:  # the same classes named: the shares decide
                         sentence = (
                             f"labels: {head} {_verb(rank[1] - theirs[0][1], MARGINS['labels'])} {where}: class recall {rank[0]:.2f} "
                             f"against {theirs[0][0]:.2f}, histogram L1 {-rank[1]:.2f} (round {mine['round']}) against "
@@ -268,7 +324,8 @@ def compare(entries: list[dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------------------------------ pictures
 def privacy_utility_figure(path: Path, entries: list[dict[str, Any]]) -> Path:
-    """Final accuracy against the best reconstruction PSNR and against the membership AUC, one point per method."""
+    """Final accuracy against the best reconstruction's PSNR gain over its prior (0: no better than what the
+    attacker had without the message) and against the membership AUC, one point per method."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -276,7 +333,7 @@ def privacy_utility_figure(path: Path, entries: list[dict[str, Any]]) -> Path:
     FigureCanvasAgg(fig)
     markers = {"audited": ("*", 160), "defended": ("s", 60), "reference": ("o", 60)}
     for i, (key, xlabel) in enumerate(
-        (("best_psnr", "best reconstruction PSNR (dB), higher = more leakage"), ("membership_auc", "membership AUC, 0.5 = chance"))
+        (("best_gain_psnr", "best reconstruction PSNR gain over the attacker's prior (dB)"), ("membership_auc", "membership AUC, 0.5 = chance"))
     ):
         ax = fig.add_subplot(1, 2, i + 1)
         shown = 0
@@ -296,6 +353,8 @@ def privacy_utility_figure(path: Path, entries: list[dict[str, Any]]) -> Path:
                             textcoords="offset points", fontsize=7, color="#555555")  # fmt: skip
         if key == "membership_auc":
             ax.axvline(0.5, color="#999999", linestyle="--", linewidth=0.8)
+        else:  # left of the line an attack did worse than what its attacker had without the message
+            ax.axvline(0.0, color="#999999", linestyle="--", linewidth=0.8)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel("final test accuracy (%)", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -342,7 +401,8 @@ def _fmt(v: Any, spec: str = ".3g", unit: str = "") -> str:
 
 def _headline_table(entries: list[dict[str, Any]]) -> str:
     head = ("<tr><th>method</th><th>role</th><th>final accuracy</th><th>upload / round</th><th>broadcast / round</th>"
-            "<th>peer / round</th><th>best PSNR (dB)</th><th>class recall</th><th>membership AUC</th></tr>")  # fmt: skip
+            "<th>peer / round</th><th>best PSNR (dB)</th><th>its gain over the prior (dB)</th><th>class recall</th>"
+            "<th>membership AUC</th><th>leaks beyond the prior</th></tr>")  # fmt: skip
     rows = []
     for e in entries:
         acc, comm, p = e["accuracy"] or {}, e["communication"] or {}, e["privacy"]
@@ -351,7 +411,9 @@ def _headline_table(entries: list[dict[str, Any]]) -> str:
             f"<tr><td>{html.escape(e['label'])}</td><td>{e['role']}</td><td class=n>{final}</td>"
             f"<td class=n>{_bytes(comm.get('upload_bytes'))}</td><td class=n>{_bytes(comm.get('broadcast_bytes'))}</td>"
             f"<td class=n>{_bytes(comm.get('peer_bytes'))}</td><td class=n>{_fmt(p['best_psnr'], '.2f')}</td>"
-            f"<td class=n>{_fmt(p['label_recall'], '.2f')}</td><td class=n>{_fmt(p['membership_auc'], '.3f')}</td></tr>"
+            f"<td class=n>{_fmt(p.get('best_gain_psnr'), '+.2f')}</td>"
+            f"<td class=n>{_fmt(p['label_recall'], '.2f')}</td><td class=n>{_fmt(p['membership_auc'], '.3f')}</td>"
+            f"<td>{html.escape(', '.join(p.get('leaks', [])) or ('none found' if e['kinds'] else 'sends nothing'))}</td></tr>"
         )
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -376,24 +438,50 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
+def _verdict_cell(best: dict[str, Any]) -> str:
+    detail = best.get("verdict_detail") or best.get("verdict") or "not measured against a prior"
+    return f"<td>{html.escape(str(detail))}</td>"
+
+
+def _threat_cell(best: dict[str, Any]) -> str:
+    sok = best.get("sok_threat_model")
+    letter = f" <i>SoK class {html.escape(str(sok))}: {html.escape(str(best.get('sok_threat_model_text', '')))}</i>" if sok else ""
+    return f"<td>{html.escape(best['threat_model_text'])}{letter}</td>"
+
+
 def _kind_section(k: dict[str, Any]) -> str:
-    parts = [f"<h3>{html.escape(k['kind'])} <small>({html.escape(k['family'])}, sent {', '.join(k['directions']) or '–'})</small></h3>"]
+    verdict = f" <small>verdict: {html.escape(k['verdict'])}</small>" if k.get("verdict") else ""
+    parts = [f"<h3>{html.escape(k['kind'])} <small>({html.escape(k['family'])}, sent {', '.join(k['directions']) or '–'})</small>{verdict}</h3>"]
     r, lab, mem = k["reconstruction"], k["labels"], k["membership"]
     rows = []
     if r:
         lp = _fmt(r.get("lpips"), ".3f") if r.get("lpips") is not None else "unavailable (why: at the top)"
+        prior = ""
+        if r.get("gain_psnr") is not None:
+            prior = (
+                f"<br>prior ({html.escape(str(r.get('strongest_prior', '')).replace('_', ' '))}) {_fmt(r.get('prior_psnr'), '.2f', ' dB')}; "
+                f"gain {_fmt(r['gain_psnr'], '+.2f', ' dB')} [{_fmt(r.get('gain_psnr_low'), '+.2f')}, {_fmt(r.get('gain_psnr_high'), '+.2f')}]"
+            )
+            if r.get("ident_top1") is not None:
+                prior += (
+                    f"<br>identified top-1 {_fmt(r['ident_top1'], '.2f')} (chance {_fmt(r.get('ident_chance_top1'), '.3f')}, "
+                    f"prior {_fmt(r.get('ident_prior_top1'), '.2f')})"
+                )
         rows.append(f"<tr><td>reconstruction</td><td>{r['attack']}, round {r['round']}</td><td>PSNR {_fmt(r.get('psnr'), '.2f', ' dB')}, "
-                    f"SSIM {_fmt(r.get('ssim'), '.3f')}, LPIPS {lp}</td><td>{html.escape(r['threat_model_text'])}</td></tr>")  # fmt: skip
+                    f"SSIM {_fmt(r.get('ssim'), '.3f')}, LPIPS {lp}{prior}</td>{_verdict_cell(r)}{_threat_cell(r)}</tr>")  # fmt: skip
     if lab:
+        gains = ""
+        if lab.get("gain_f1") is not None:
+            gains = f"<br>over naming every class: F1 {_fmt(lab['gain_f1'], '+.2f')}, L1 {_fmt(lab.get('gain_l1'), '+.2f')}"
         rows.append(f"<tr><td>labels</td><td>{lab['attack']}, round {lab['round']}</td><td>class recall {_fmt(lab.get('recall'), '.2f')}, "
-                    f"precision {_fmt(lab.get('precision'), '.2f')}, histogram L1 {_fmt(lab.get('l1'), '.2f')}</td>"
-                    f"<td>{html.escape(lab['threat_model_text'])}</td></tr>")  # fmt: skip
+                    f"precision {_fmt(lab.get('precision'), '.2f')}, histogram L1 {_fmt(lab.get('l1'), '.2f')}{gains}</td>"
+                    f"{_verdict_cell(lab)}{_threat_cell(lab)}</tr>")  # fmt: skip
     if mem:
         rows.append(f"<tr><td>membership</td><td>{mem['attack']}, round {mem['round']}</td><td>AUC {_fmt(mem.get('auc'), '.3f')}, "
                     f"TPR at 1 % FPR {_fmt(mem.get('tpr_at_1pct_fpr'), '.3f')}, advantage {_fmt(mem.get('advantage'), '.3f')}</td>"
-                    f"<td>{html.escape(mem['threat_model_text'])}</td></tr>")  # fmt: skip
+                    f"{_verdict_cell(mem)}{_threat_cell(mem)}</tr>")  # fmt: skip
     if rows:
-        parts.append("<table><tr><th>attack family</th><th>strongest attack</th><th>result</th><th>threat model it assumes</th></tr>"
+        parts.append("<table><tr><th>attack family</th><th>strongest attack</th><th>result</th><th>verdict</th><th>threat model it assumes</th></tr>"
                      + "".join(rows) + "</table>")  # fmt: skip
     else:
         parts.append("<p class=note>No attack gave a result on this kind (reasons below).</p>")
@@ -435,7 +523,10 @@ def render_html(report: dict[str, Any], figure: Path) -> str:
              f"<p class=note>privfl {html.escape(report['privfl_version'])}, profile <b>{html.escape(prof['name'])}</b> "
              f"({html.escape(prof['description'])}), seed {report['seed']}, {report['seconds']:.0f} s, {html.escape(report['created'])}. "
              "Reconstruction PSNR is per image on [0, 1], then averaged; membership AUC 0.5 is chance; class recall is the share "
-             "of a client's classes an attacker names. Every number below assumes the threat model printed beside it.</p>",
+             "of a client's classes an attacker names. Every number below assumes the threat model printed beside it (with its class "
+             "in Carletti et al.'s SoK, USENIX Security 2025, A-H). Every result is read against what the attacker has without the "
+             "message (its prior: a blank image, the population mean, the class mean of what the message reveals; naming every "
+             "class; AUC 0.5): an attack that scores below its prior failed, which is not evidence of protection.</p>",
              *([f"<p class=note>{html.escape(lpips)}</p>"] if (lpips := _lpips_note(entries)) else []),
              "<h2>Summary</h2>", _headline_table(entries), _img(figure, "privacy-utility figure")]  # fmt: skip
     for e in entries:
@@ -485,4 +576,42 @@ def _clean(v: Any) -> Any:
     return v
 
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "method_entry", "privacy_utility_figure", "render_html", "write_audit"]
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A ``report.json`` of any readable version, as the current schema: a ``privfl-audit/1`` report gets
+    ``verdict: null`` everywhere (its results were never set against a prior), the SoK letter of each
+    threat model, and ``best_gain_psnr: null`` / ``leaks: []``. Validated against :data:`SCHEMA`; an
+    unknown version or a report that does not validate is a one-line ConfigError."""
+    from privfl.errors import ConfigError
+
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the audit report {path}: {exc}") from None
+    version = report.get("schema") if isinstance(report, dict) else None
+    if version not in READABLE_VERSIONS:
+        raise ConfigError(f"{path}: schema {version!r} is not one privfl reads ({', '.join(READABLE_VERSIONS)})")
+    if version == "privfl-audit/1":
+        report["schema"] = SCHEMA_VERSION
+        for entry in report.get("methods", []):
+            entry.setdefault("privacy", {}).setdefault("best_gain_psnr", None)
+            entry["privacy"].setdefault("leaks", [])
+            for k in entry.get("kinds", []):
+                k.setdefault("verdict", None)
+                for family in ("reconstruction", "labels", "membership"):
+                    best = k.get(family)
+                    if best:
+                        best.setdefault("verdict", None)
+                        known = best.get("threat_model") in THREAT_MODELS
+                        best.setdefault("sok_threat_model", sok_class(best["threat_model"])[0] if known else "?")
+    try:
+        import jsonschema
+    except ImportError:  # an install without the test extra: the version check above is what can be done
+        return report
+    try:
+        jsonschema.validate(report, SCHEMA)
+    except jsonschema.ValidationError as exc:
+        raise ConfigError(f"{path}: not a valid privfl audit report: {exc.message}") from None
+    return report
+
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "method_entry", "privacy_utility_figure", "read_report", "render_html", "write_audit"]

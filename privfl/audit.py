@@ -137,18 +137,25 @@ def print_summary(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"audit of {report['subject']} ({report['profile']['name']} profile, {report['seconds']:.0f} s)")
-    for col in ("method", "role", "final acc", "upload/round", "best PSNR (dB)", "class recall", "membership AUC"):
-        table.add_column(col, justify="left" if col in ("method", "role") else "right")
+    for col in ("method", "role", "final acc", "upload/round", "best PSNR (dB)", "gain over prior (dB)", "class recall", "membership AUC", "leaks"):
+        table.add_column(col, justify="left" if col in ("method", "role", "leaks") else "right")
     for e in report["methods"]:
         acc, p = e["accuracy"] or {}, e["privacy"]
         up = (e["communication"] or {}).get("upload_bytes") or 0
         table.add_row(e["label"], e["role"], f"{100 * acc['final']:.2f} %" if acc.get("final") is not None else "-", f"{up / 1024:,.1f} KiB",
                       f"{p['best_psnr']:.2f}" if p["best_psnr"] is not None else "-",
+                      f"{p['best_gain_psnr']:+.2f}" if p.get("best_gain_psnr") is not None else "-",
                       f"{p['label_recall']:.2f}" if p["label_recall"] is not None else "-",
-                      f"{p['membership_auc']:.3f}" if p["membership_auc"] is not None else "-")  # fmt: skip
+                      f"{p['membership_auc']:.3f}" if p["membership_auc"] is not None else "-",
+                      ", ".join(p.get("leaks", [])) or ("none beyond the prior" if e["kinds"] else "sends nothing"))  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 150).print(table)  # a log file gets the whole table, not 80 columns
     for e in report["methods"]:
         for k in e["kinds"]:
+            for family in ("reconstruction", "labels", "membership"):
+                best = k[family]
+                if best and best.get("verdict_detail") and e["role"] != "reference":
+                    where = f"{best['attack']}, SoK class {best.get('sok_threat_model', '?')}"
+                    print(f"  {e['label']}'s {k['kind']}, {family} ({where}): {best['verdict_detail']}")
             for sentence in k["comparison"]:
                 print(f"  {sentence}")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attacks.audit import PROFILES, Profile, audit, audited_rounds, predict
-from attacks.audit_report import SCHEMA
+from attacks.audit_report import LEAKS, NO_EVIDENCE, SCHEMA
 from privfl.cli import run_cli
 from tests.conftest import ROOT
 
@@ -102,6 +102,12 @@ def test_the_audit_attacks_every_kind_and_compares_with_the_references(audited):
     invert = [n for n in proto["not_applicable"] if n["attack"] == "invert"]
     assert invert and "extractor" in invert[0]["reason"] and "exposes = ('extractor',)" in invert[0]["fix"]
     assert local["kinds"] == [] and any("local sends nothing" in c for k in audited_entry["kinds"] for c in k["comparison"])
+    # every strongest result is read against the attacker's prior, with the SoK class of its threat model
+    recon = model["reconstruction"]
+    assert recon["verdict"] in (LEAKS, NO_EVIDENCE) and recon["gain_psnr"] is not None and recon["prior_psnr"] is not None
+    assert recon["gain_psnr"] == max(r["metrics"]["gain_psnr"] for r in model["results"] if r["family"] == "reconstruction")
+    assert recon["sok_threat_model"] in ("A", "B", "B+", "C", "D", "E") and proto["labels"]["verdict"] in (LEAKS, NO_EVIDENCE)
+    assert model["verdict"] in (LEAKS, NO_EVIDENCE) and isinstance(audited_entry["privacy"]["leaks"], list)
     assert audited_entry["accuracy"]["final"] is not None and audited_entry["communication"]["upload_bytes"] > 0
     assert any("training" in line for line in lines)  # progress was reported
 
@@ -112,7 +118,7 @@ def test_report_json_validates_against_its_schema_and_the_html_stands_alone(audi
     result, _ = audited
     saved = json.loads(result.json.read_text())
     jsonschema.validate(saved, SCHEMA)
-    assert saved["schema"] == "privfl-audit/1" and saved["profile"]["name"] == "tiny"
+    assert saved["schema"] == "privfl-audit/2" and saved["profile"]["name"] == "tiny"
     bad = {**saved, "methods": [{**saved["methods"][0], "role": "spectator"}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, SCHEMA)
@@ -123,6 +129,31 @@ def test_report_json_validates_against_its_schema_and_the_html_stands_alone(audi
     assert page.count("data:image/png;base64,") >= 3  # figure, a gallery, a ROC or label grid: embedded, no links
     assert 'src="http' not in page and 'src="/' not in page
     assert (result.folder / "privacy_utility.png").stat().st_size > 0
+    assert "leaks beyond the prior" in page or "no evidence beyond the prior" in page
+
+
+def test_old_reports_are_still_read_and_foreign_ones_refused(audited, tmp_path):
+    from attacks.audit_report import read_report
+    from privfl.errors import ConfigError
+
+    result, _ = audited
+    assert read_report(result.json)["schema"] == "privfl-audit/2"
+    old = json.loads(result.json.read_text())
+    old["schema"] = "privfl-audit/1"
+    for entry in old["methods"]:
+        entry["privacy"].pop("leaks")
+        for k in entry["kinds"]:
+            k.pop("verdict")
+            for family in ("reconstruction", "labels", "membership"):
+                if k[family]:
+                    k[family].pop("verdict")
+                    k[family].pop("sok_threat_model")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    upgraded = read_report(tmp_path / "old.json")
+    assert upgraded["methods"][0]["kinds"][0]["verdict"] is None and upgraded["methods"][0]["privacy"]["leaks"] == []
+    (tmp_path / "future.json").write_text(json.dumps({**old, "schema": "privfl-audit/99"}))
+    with pytest.raises(ConfigError, match="privfl-audit/99"):
+        read_report(tmp_path / "future.json")
 
 
 def test_profiles_and_predictions():
@@ -179,7 +210,7 @@ def test_schema_is_printed_and_piping_into_head_ends_quietly():
     done = subprocess.run(f"{sys.executable} -m privfl.audit --schema | head -n 2", shell=True, cwd=ROOT, capture_output=True, text=True,
                           check=False)  # fmt: skip
     assert done.returncode == 0 and done.stdout.startswith("{") and "Traceback" not in done.stderr, done.stderr
-    assert json.loads(json.dumps(SCHEMA))["properties"]["schema"]["const"] == "privfl-audit/1"
+    assert json.loads(json.dumps(SCHEMA))["properties"]["schema"]["const"] == "privfl-audit/2"
     assert Path(ROOT / "docs" / "audit.md").is_file()
 
 
