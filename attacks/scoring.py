@@ -131,12 +131,19 @@ class BatchScorer:
             assert seq is not None  # gradients and parameters are attacked in captured messages only
             t = truth.message_truth(seq)
             ids = sample_ids(t, seq)
-            cand = truth.images(ids)
             images = r.images
             assert images is not None  # image attacks only (scorer_for routes label-only attacks elsewhere)
+            if r.notes.get("aggregate") and r.labels is not None and len(images) == 1:
+                # one image read for a class (a classifier row): its class's samples, like a prototype's
+                same = truth.labels[ids] == int(r.labels[0])
+                ids = ids[same] if bool(same.any()) else ids
+            cand = truth.images(ids)
             batch = int(r.notes.get("batch_size", len(images)))
-            exact = len(t["indices"]) == batch
+            exact = len(ids) == batch and not r.notes.get("aggregate")
             pairs = hungarian_match(images, cand) if exact else [(i, best_match(images[i], cand)[0]) for i in range(len(images))]
+            matching = "hungarian over the exact batch" if exact else "best match in the client's data"
+            if r.notes.get("aggregate"):
+                matching = "best match among the message's samples of its class"
             for i, j in pairs:
                 s = {k: v[0] for k, v in score_images(images[i : i + 1], cand[j : j + 1]).items()}
                 rows.append(
@@ -145,8 +152,8 @@ class BatchScorer:
                         "round": r.target.round,
                         "message_seq": r.target.message_seq,
                         "image": i,
-                        "matched_truth": int(t["indices"][j]),
-                        "matching": "hungarian over the exact batch" if exact else "best match in the client's data",
+                        "matched_truth": int(ids[j]),
+                        "matching": matching,
                         "label_recovered": int(r.labels[i]) if r.labels is not None else None,
                         "label_source": r.notes.get("label_source", ""),
                         "seconds": r.seconds / len(pairs),
@@ -171,8 +178,8 @@ class BatchScorer:
                 items.append(Item(images[i], c, prefix, r.target.client, prefixed, one_hot(label, num_classes), ident))
         summary = {
             "images": len(rows),
-            "messages": len(recons),
-            "seconds_per_message": round(sum(r.seconds for r in recons) / max(len(recons), 1), 2),
+            "messages": len({r.target.message_seq for r in recons}),
+            "seconds_per_message": round(sum(r.seconds for r in recons) / max(len({r.target.message_seq for r in recons}), 1), 2),
             **summarize({m: [row[m] for row in rows] for m in ("psnr", "mse", "psnr255", "mse255", "ssim")}),
         }
         cal = calibrate(items, truth, PriorBank(truth, self.seed), self.seed)
