@@ -307,36 +307,140 @@ def label_verdict(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
     return {"verdict": cal["verdict"], "gain_f1": gain["f1"]["mean"], "gain_l1": gain["l1"]["mean"], "calibration": cal}
 
 
-def roc(scores: torch.Tensor, members: torch.Tensor) -> tuple[float, float, float, list[float], list[float]]:
-    """(AUC, TPR at 1 % FPR, advantage max(TPR - FPR), FPR curve, TPR curve) of membership scores
-    (higher: member). TPR at a low FPR is what the membership-inference literature reports (Carlini et
-    al., S&P 2022): the attack's confidence on the records it is surest about."""
+#: the low false-positive rates a membership result reports the TPR at, by key suffix
+LOW_FPRS: dict[str, float] = {"1pct": 0.01, "0.1pct": 0.001}
+#: a TPR at a low FPR is reported only when the threshold that reaches it rests on at least this many false positives
+MIN_FALSE_POSITIVES = 10
+#: resamples of the percentile bootstrap interval of the pooled AUC (over queries)
+AUC_RESAMPLES = 1000
+
+
+@dataclass
+class LowFPR:
+    """The TPR at the threshold whose FPR is the largest not above ``level``: the FPR it reaches, the false
+    positives it rests on, and ``tpr`` None (unavailable) when those are fewer than :data:`MIN_FALSE_POSITIVES`."""
+
+    level: float
+    tpr: float | None
+    fpr_reached: float
+    false_positives: int
+    non_members: int
+    note: str
+
+    def fields(self, suffix: str, prefix: str = "") -> dict[str, Any]:
+        return {
+            f"{prefix}tpr_{suffix}": self.tpr,
+            f"{prefix}fpr_reached_{suffix}": self.fpr_reached,
+            f"{prefix}false_positives_{suffix}": self.false_positives,
+            f"{prefix}tpr_{suffix}_note": self.note,
+        }
+
+
+@dataclass
+class ROC:
+    """A membership result's ROC: AUC, advantage max(TPR - FPR), the TPR at each of :data:`LOW_FPRS`, the
+    curve (for the picture), and ``tpr_at_1pct_fpr``, the TPR at FPR <= 1 % whatever it rests on (the
+    key callers have always read; ``low["1pct"]`` says whether it can be trusted)."""
+
+    auc: float
+    advantage: float
+    tpr_at_1pct_fpr: float
+    low: dict[str, LowFPR]
+    fpr: list[float]
+    tpr: list[float]
+    members: int
+    non_members: int
+
+
+def low_fpr(fpr: torch.Tensor, tpr: torch.Tensor, non_members: int, level: float) -> LowFPR:
+    """The point of a full ROC curve (``drop_intermediate=False``, FPR nondecreasing) with the largest FPR
+    not above ``level``, counted in false positives so that no rounding moves it (LeakPro's pitfall: a
+    TPR labelled with a FPR it does not reach)."""
+    false_positives = torch.round(fpr.double() * non_members).long()
+    allowed = int(level * non_members + 1e-9)  # floor: the most false positives the level allows
+    i = int(torch.searchsorted(false_positives, torch.tensor([allowed]), right=True)[0]) - 1
+    fp, reached, rate = int(false_positives[i]), float(fpr[i]), float(tpr[i])
+    rests = f"rests on {fp} false positive{'s' if fp != 1 else ''} of {non_members} non-members"
+    if fp < MIN_FALSE_POSITIVES:
+        need = round(MIN_FALSE_POSITIVES / level)
+        return LowFPR(level, None, reached, fp, non_members, f"unavailable: {rests} (needs >= {MIN_FALSE_POSITIVES}, i.e. >= {need} non-members)")
+    return LowFPR(level, rate, reached, fp, non_members, f"TPR {rate:.4f} at FPR {reached:.4f} reached (level {level:g}); {rests}")
+
+
+def roc(scores: torch.Tensor, members: torch.Tensor) -> ROC:
+    """The ROC of membership scores (higher: member) against the membership bits. TPR at a low FPR is what
+    the membership-inference literature reports (Carlini et al., S&P 2022): the attack's confidence on
+    the records it is surest about. sklearn sorts the scores and places a threshold at each distinct one."""
     from sklearn.metrics import roc_auc_score, roc_curve
 
     y, s = members.numpy().astype(int), scores.double().numpy()
     if y.min() == y.max():
         raise ValueError("membership scoring needs members and non-members")
-    fpr, tpr, _ = roc_curve(y, s)
-    low = tpr[fpr <= 0.01]
-    return float(roc_auc_score(y, s)), float(low.max()) if len(low) else 0.0, float((tpr - fpr).max()), fpr.tolist(), tpr.tolist()
+    fpr, tpr, _ = roc_curve(y, s, drop_intermediate=False)
+    non_members = int((y == 0).sum())
+    low = {key: low_fpr(torch.from_numpy(fpr), torch.from_numpy(tpr), non_members, level) for key, level in LOW_FPRS.items()}
+    legacy = float(tpr[fpr <= 0.01].max())
+    shown_fpr, shown_tpr, _ = roc_curve(y, s)  # the corners only, for the picture
+    return ROC(float(roc_auc_score(y, s)), float((tpr - fpr).max()), legacy, low, shown_fpr.tolist(), shown_tpr.tolist(), int(y.sum()), non_members)
+
+
+def bootstrap_auc(
+    scores: torch.Tensor, members: torch.Tensor, *, seed: int = 0, resamples: int = AUC_RESAMPLES, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the AUC, resampling (score, bit) pairs with replacement; seeded.
+
+    Each resample is a vector of multiplicities over the sorted scores, so its AUC (the Mann-Whitney
+    statistic, ties counted half) is a weighted sum computed for a block of resamples at once."""
+    import numpy as np
+
+    s, y = scores.double().numpy(), members.numpy().astype(bool)
+    if y.all() or not y.any():
+        raise ValueError("a bootstrap AUC needs members and non-members")
+    order = np.argsort(s, kind="stable")
+    s, y = s[order], y[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])  # first index of each run of tied scores
+    rng = np.random.default_rng(seed)
+    n, aucs = len(s), []
+    for done in range(0, resamples, 100):
+        block = min(100, resamples - done)
+        drawn = rng.integers(0, n, size=(block, n)) + n * np.arange(block)[:, None]
+        weight = np.bincount(drawn.ravel(), minlength=block * n).reshape(block, n).astype(np.float64)
+        pos = np.add.reduceat(weight * y, starts, axis=1)
+        neg = np.add.reduceat(weight * ~y, starts, axis=1)
+        below = np.cumsum(neg, axis=1) - neg
+        with np.errstate(invalid="ignore", divide="ignore"):
+            aucs.append((pos * (below + 0.5 * neg)).sum(1) / (pos.sum(1) * neg.sum(1)))
+    values = np.concatenate(aucs)
+    values = values[np.isfinite(values)]
+    low, high = np.percentile(values, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
+    return float(low), float(high)
 
 
 class MembershipScorer:
-    """Membership inference: each target's scores on its queries against the hidden membership bits."""
+    """Membership inference: each target's scores on its queries against the hidden membership bits, and
+    all targets' (score, bit) pairs pooled (one threshold for all: more non-members under each low FPR).
+
+    Per target and pooled: AUC, advantage, and at 1 % and 0.1 % FPR the TPR at the threshold reaching
+    the largest FPR not above the level, that FPR, and the false positives it rests on; the TPR is
+    unavailable (None, with the reason) below :data:`MIN_FALSE_POSITIVES`. The pooled AUC has a
+    percentile bootstrap interval over queries. ``auc``, ``tpr_at_1pct_fpr`` and ``advantage`` stay the
+    means over targets that callers read (``tpr_at_1pct_fpr`` unchecked: see ``tpr_1pct_note``)."""
 
     rule = "queries: the client's training samples (members) and as many of its held-out samples (non-members)"
 
-    def __init__(self, membership: dict[str, torch.Tensor]):
+    def __init__(self, membership: dict[str, torch.Tensor], seed: int = 0):
         self.membership = membership
+        self.seed = seed
 
     def score(self, recons: list[Reconstruction], truth: GroundTruth, title: str, seconds: float) -> Scored:
         rows: list[dict[str, Any]] = []
         curves: list[tuple[str, list[float], list[float]]] = []
+        pooled_scores, pooled_bits = [], []
         for r in recons:
             members = self.membership.get(r.target.key)
             if r.scores is None or members is None or len(r.scores) != len(members):
                 raise ValueError(f"{r.target.key}: a membership attack returns one score per query")
-            auc, tpr1, adv, fpr, tpr = roc(r.scores, members)
+            result = roc(r.scores, members)
             rows.append(
                 {
                     "client": r.target.client,
@@ -344,20 +448,44 @@ class MembershipScorer:
                     "kind": r.target.kind,
                     "message_seq": r.target.message_seq,
                     "queries": len(members),
-                    "members": int(members.sum()),
-                    "auc": auc,
-                    "tpr_at_1pct_fpr": tpr1,
-                    "advantage": adv,
+                    "members": result.members,
+                    "non_members": result.non_members,
+                    "auc": result.auc,
+                    "tpr_at_1pct_fpr": result.tpr_at_1pct_fpr,
+                    "advantage": result.advantage,
+                    **{k: v for key, low in result.low.items() for k, v in low.fields(key).items()},
                     "seconds": r.seconds,
                     **{k: v for k, v in r.notes.items() if isinstance(v, (str, int, float))},
                 }
             )
-            curves.append((f"{r.target.client} r{r.target.round}", fpr, tpr))
-        summary = {
+            curves.append((f"{r.target.client} r{r.target.round}", result.fpr, result.tpr))
+            pooled_scores.append(r.scores.double())
+            pooled_bits.append(members.bool())
+        summary: dict[str, Any] = {
             "targets": len(rows),
             "seconds_per_target": round(seconds / max(len(rows), 1), 3),
             **summarize({m: [float(row[m]) for row in rows] for m in ("auc", "tpr_at_1pct_fpr", "advantage")}),
         }
+        if rows:
+            scores, bits = torch.cat(pooled_scores), torch.cat(pooled_bits)
+            pooled = roc(scores, bits)
+            low_ci, high_ci = bootstrap_auc(scores, bits, seed=self.seed)
+            summary.update(
+                {
+                    "pooled_queries": len(bits),
+                    "pooled_members": pooled.members,
+                    "pooled_non_members": pooled.non_members,
+                    "pooled_auc": pooled.auc,
+                    "pooled_auc_low": low_ci,
+                    "pooled_auc_high": high_ci,
+                    "pooled_auc_interval": f"95 % percentile bootstrap over the pooled queries, {AUC_RESAMPLES} resamples, seed {self.seed}",
+                    "pooled_advantage": pooled.advantage,
+                    **{k: v for key, low in pooled.low.items() for k, v in low.fields(key, "pooled_").items()},
+                    **{f"targets_with_tpr_{key}": sum(row[f"tpr_{key}"] is not None for row in rows) for key in LOW_FPRS},
+                }
+            )
+            if len(rows) > 1:
+                curves.append(("pooled", pooled.fpr, pooled.tpr))
         return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="auc", roc_curves=curves)
 
 
