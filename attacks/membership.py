@@ -1,10 +1,12 @@
-"""Membership inference on every client model an attacker can see: a loss threshold and offline LiRA.
+"""Membership inference on every client model an attacker can see: a loss threshold and LiRA (offline or online).
 
 The membership game (Shokri et al., S&P 2017; Carlini et al., S&P 2022): the runner, acting as the
 challenger, hands every target ``queries`` (some of the client's training samples and as many of its
 held-out samples, shuffled, membership hidden) and, for shadow models, ``population`` data (other
 clients' held-out samples, never trained on by anyone); an attack returns one score per query, higher
-meaning "member", and the runner reports AUC and TPR at 1 % FPR (:class:`attacks.scoring.MembershipScorer`).
+meaning "member", and the runner reports AUC and TPR at 1 % and 0.1 % FPR per target and pooled over
+targets, each TPR only where it rests on enough false positives (:class:`attacks.scoring.MembershipScorer`).
+RMIA, on the same reference models, lives in :mod:`attacks.membership_rmia`.
 
 Two ways an attacker gets a client's trained model, hence two families of registered attacks (one
 :class:`~attacks.threat.Knowledge` declaration cannot say "previous state *or* extractor"):
@@ -36,14 +38,28 @@ Scores:
   variance below 64 shadows, as the paper advises, else per example); the score is the one-sided
   z-score ``(phi_target - mu_out) / sigma_out`` (monotone in the paper's ``Phi(z)``, so the same ROC,
   without saturating for confident members). Shadows are cached per (architecture, model request,
-  population, queries) within one attack instance, so several rounds of one client reuse them.
+  population, queries) within one attack instance, so several rounds of one client reuse them;
+- online LiRA (``online=True``; Carlini et al., Sec. IV-B): the attacker holds the candidates, so each
+  shadow also trains on a random half of the queries (each query IN for exactly half of the shadows,
+  on top of ``shadow_size`` minus that many population records); per query a Gaussian of the IN
+  shadows' ``phi`` and one of the OUT shadows' (one shared global variance below 64 shadows, so the
+  ratio stays monotone in ``phi``); the score is the log likelihood ratio
+  ``log N(phi; mu_in, sigma_in) - log N(phi; mu_out, sigma_out)``.
+
+Scores over rounds (``rounds="all"``, LiRA and RMIA): the queries are scored on the client's model of
+every round the attacker can rebuild up to the planned one, and the per-round scores are averaged
+(FedMIA's temporal aggregation, Zhu et al., "FedMIA: An Effective Membership Inference Attack
+Exploiting 'All for One' Principle in Federated Learning", 2024); the shadows are trained once and
+serve every round. The result is reported at the planned round, with the rounds it read.
 
 Everything is seeded from (attack seed, client). Attack side only: this module never opens the ground truth.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +80,8 @@ from privfl.seeding import derive_seed, torch_generator
 VARIANCES = ("auto", "global", "per-example")
 #: below this many shadows LiRA estimates one global variance (Carlini et al. 2022, Sec. VI-A)
 GLOBAL_VARIANCE_BELOW = 64
+#: which of a client's models a score reads: the planned round's, or every round's up to it (averaged)
+ROUNDS = ("last", "all")
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -91,6 +109,10 @@ class LiRAConfig:
     #: population); at most half the population, so the shadows' training sets differ
     shadow_size: int = 0
     variance: str = "auto"  # auto (global below 64 shadows), global, per-example
+    #: online LiRA (Carlini et al. 2022, Sec. IV-B): every shadow also trains on a random half of the
+    #: queries, so each query has IN and OUT shadows; needs an even number of shadows, at least 4
+    online: bool = False
+    rounds: str = "last"  # last: the planned round's model; all: the mean score over every round of the client (FedMIA)
     eval_batch: int = 512
 
     def __post_init__(self) -> None:
@@ -98,6 +120,12 @@ class LiRAConfig:
             raise ConfigError(f"LiRA variance must be one of {', '.join(VARIANCES)}, got {self.variance!r}")
         if self.shadows < 2:
             raise ConfigError(f"LiRA needs at least 2 shadow models to fit a Gaussian, got shadows={self.shadows}")
+        if self.online and (self.shadows < 4 or self.shadows % 2):
+            raise ConfigError(
+                f"online LiRA needs an even number of shadows >= 4 (each query IN for half of them, a variance from >= 2 per side), "
+                f"got {self.shadows}"
+            )
+        check_rounds(self.rounds)
 
     @classmethod
     def preset(cls, level: str, **overrides: Any) -> LiRAConfig:
@@ -109,6 +137,11 @@ class LiRAConfig:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def check_rounds(rounds: str) -> None:
+    if rounds not in ROUNDS:
+        raise ConfigError(f"rounds must be one of {', '.join(ROUNDS)}, got {rounds!r}")
+
+
 def logit_confidence(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """LiRA's phi = log(p_y / (1 - p_y)) = z_y - logsumexp(z_j, j != y), in float64 (no saturation)."""
     z = logits.double()
@@ -204,13 +237,57 @@ class MembershipAttack(Attack):
         return got
 
     def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+        """Score the queries on the client's model; with ``rounds="all"`` on its model of every round the
+        attacker can rebuild up to the planned one, and average the per-round scores (FedMIA's temporal
+        aggregation, Zhu et al. 2024: a member leaves its trace in every round the client trained on it)."""
         start = time.perf_counter()
         queries = self.handed(target, "queries")
-        model, notes = self.target_model(target)
-        model = model.to(self.device).eval()
-        scores, extra = self.score(target, model, queries, progress)
-        loss = float(extra.pop("target_loss"))
-        return Reconstruction(target, None, loss, time.perf_counter() - start, scores=scores.float(), notes={**notes, **extra})
+        rounds = self.rounds_of(target)
+        per_round: list[torch.Tensor] = []
+        notes: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for i, t in enumerate(rounds):
+            model, notes = self.target_model(t)
+            model = model.to(self.device).eval()
+            scores, extra = self.score(t, model, queries, progress if i == 0 else None)  # shadows report once
+            per_round.append(scores.double())
+        loss = float(extra.pop("target_loss"))  # the planned round's (scored last)
+        if len(rounds) > 1 or getattr(self.config, "rounds", "last") == "all":
+            extra["rounds_scored"] = ",".join(str(t.round) for t in rounds)
+            extra["aggregation"] = f"mean of the per-round scores over {len(rounds)} round(s) of the client's model"
+        combined = torch.stack(per_round).mean(0)
+        return Reconstruction(target, None, loss, time.perf_counter() - start, scores=combined.float(), notes={**notes, **extra})
+
+    def rounds_of(self, target: Target) -> list[Target]:
+        """The targets whose models are scored, the planned one last: with ``rounds="all"`` the same client's
+        message of the same kind in every earlier round whose model can be rebuilt (one per round), planned
+        as the attack plans any message, with the planned target's hand-over."""
+        if getattr(self.config, "rounds", "last") == "last":
+            return [target]
+        view, client = target.view, target.client
+        earlier: list[Target] = []
+        for rnd in sorted({r["round"] for r in self.messages_of(view, target.kind, None, [client])}):
+            if rnd >= target.round:
+                continue
+            records = self.messages_of(view, target.kind, rnd, [client])
+            try:
+                planned = self.plan_messages(view, target.kind, rnd, records, Selection(target.kind, [rnd], [client]))
+            except AttackNotApplicable:
+                continue  # e.g. no previous state yet in round 0: that round is not scored
+            mine = [t for t in planned if t.client == client]
+            if mine:
+                earlier.append(dataclasses.replace(mine[0], payload=target.payload))
+        return [*earlier, target]
+
+    def prepare(self, targets: Sequence[Target]) -> None:
+        """Load what every scored model needs (every round's with ``rounds="all"``), so a damaged capture
+        fails in one line before any shadow trains."""
+        for t in targets:
+            for each in self.rounds_of(t):
+                self.load_model_inputs(each)
+
+    def load_model_inputs(self, target: Target) -> None:
+        raise NotImplementedError
 
     def per_query_loss(self, model: nn.Module, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, cross-entropy per query in float64) of ``model`` on the queries."""
@@ -257,12 +334,11 @@ class CapturedModelMembership(MembershipAttack):
             raise AttackNotApplicable("; ".join(dict.fromkeys(reasons)))
         return targets
 
-    def prepare(self, targets: Sequence[Target]) -> None:
-        """Load each upload and its previous state, so a damaged capture fails in one line before any shadow trains."""
-        for t in targets:
-            assert t.record is not None  # planned on captured messages only
-            t.view.load(t.record)
-            previous_state(t.view, t.record)
+    def load_model_inputs(self, target: Target) -> None:
+        """The upload and its previous state."""
+        assert target.record is not None  # planned on captured messages only
+        target.view.load(target.record)
+        previous_state(target.view, target.record)
 
     def target_model(self, target: Target) -> tuple[nn.Module, dict[str, Any]]:
         assert target.record is not None  # planned on captured messages only
@@ -319,12 +395,11 @@ class ExtractorHeadMembership(MembershipAttack):
             )
         return targets
 
-    def prepare(self, targets: Sequence[Target]) -> None:
-        """Load each head and the extractor it completes, so a damaged store fails in one line before any shadow trains."""
-        for t in targets:
-            assert t.record is not None  # planned on captured messages only
-            t.view.load(t.record)
-            t.view.extractor(t.client, t.round)
+    def load_model_inputs(self, target: Target) -> None:
+        """The head and the extractor it completes."""
+        assert target.record is not None  # planned on captured messages only
+        target.view.load(target.record)
+        target.view.extractor(target.client, target.round)
 
     def _spec(self, target: Target) -> dict[str, Any]:
         rec = next(r for r in target.view.extractor_records() if r["client"] == target.client and r["round"] == target.round)
@@ -379,10 +454,27 @@ class LossScoring(MembershipAttack):
         return -ce, {"target_loss": float(ce.mean()), "score": "-CE(model(x), y)", "query_accuracy": acc}
 
 
+@dataclass
+class ReferenceSignals:
+    """What the reference (shadow) models say about the records: their logits on the queries and on the
+    population, and which of those records each one trained on (its IN records)."""
+
+    queries: torch.Tensor  # (S, N, C) logits on the queries
+    population: torch.Tensor  # (S, P, C) logits on the population
+    queries_in: torch.Tensor  # (S, N) bool: shadow s trained on query n (online shadows only)
+    population_in: torch.Tensor  # (S, P) bool: shadow s trained on population record p
+    info: dict[str, Any]
+
+
 class ShadowTraining(MembershipAttack):
-    """Training a model of the target's architecture on population data with the sender's local
-    hyperparameters (LiRA's OUT shadows; the logits attack's reference model). The config names
-    ``shadow_epochs``, ``max_shadow_epochs`` and ``shadow_size``."""
+    """Training models of the target's architecture with the sender's local hyperparameters: LiRA's and
+    RMIA's reference models, the logits attack's reference model. The config names ``shadows``,
+    ``shadow_epochs``, ``max_shadow_epochs``, ``shadow_size`` (and ``online`` for reference signals)."""
+
+    def __init__(self, config: Any = None, **kw: Any):
+        super().__init__(config, **kw)
+        #: (architecture key, population, queries, epochs, size, online) -> the reference models' signals
+        self.cache: dict[tuple[str, str, str, int, int, bool], ReferenceSignals] = {}
 
     def shadow_plan(self, target: Target, population: Queries) -> tuple[int, int, dict[str, Any]]:
         """(epochs, samples per shadow, hyperparameters)."""
@@ -396,17 +488,23 @@ class ShadowTraining(MembershipAttack):
         size = cfg.shadow_size or (int(sent) if isinstance(sent, int) and sent > 0 else half)
         return epochs, max(1, min(size, half)), hp
 
-    def train_shadow(self, target: Target, index: int, population: Queries, epochs: int, size: int, hp: dict[str, Any]) -> tuple[nn.Module, float]:
+    def shadow_draw(self, target: Target, index: int, available: int, size: int) -> tuple[torch.Generator, torch.Tensor]:
+        """Shadow ``index``'s generator and the ``size`` population records it trains on (the generator
+        goes on to shuffle its epochs)."""
         gen = torch_generator(self.seed, "mia-shadow-data", target.client, index)
-        subset = torch.randperm(len(population.y), generator=gen)[:size]
-        x, y = population.x[subset], population.y[subset]
+        return gen, torch.randperm(available, generator=gen)[:size]
+
+    def fit_shadow(
+        self, target: Target, index: int, x: torch.Tensor, y: torch.Tensor, epochs: int, hp: dict[str, Any], gen: torch.Generator
+    ) -> tuple[nn.Module, float]:
+        """A fresh model of the target's architecture trained on (x, y) as the sender trains: (model in eval mode, last batch loss)."""
         model = self.fresh_model(target, derive_seed(self.seed, "mia-shadow-init", target.client, index)).to(self.device).train()
         opt = make_optimizer(model.parameters(), hp)
         torch.manual_seed(derive_seed(self.seed, "mia-shadow-train", target.client, index))  # dropout, if any
         last = 0.0
         for _ in range(epochs):
-            order = torch.randperm(size, generator=gen)
-            for i in range(0, size, hp["batch_size"]):
+            order = torch.randperm(len(y), generator=gen)
+            for i in range(0, len(y), hp["batch_size"]):
                 idx = order[i : i + hp["batch_size"]]
                 loss = F.cross_entropy(model(x[idx].to(self.device)), y[idx].to(self.device))
                 opt.zero_grad(set_to_none=True)
@@ -415,66 +513,126 @@ class ShadowTraining(MembershipAttack):
                 last = float(loss.detach())
         return model.eval(), last
 
+    def train_shadow(self, target: Target, index: int, population: Queries, epochs: int, size: int, hp: dict[str, Any]) -> tuple[nn.Module, float]:
+        """An OUT shadow: trained on ``size`` random population records only."""
+        gen, subset = self.shadow_draw(target, index, len(population.y), size)
+        return self.fit_shadow(target, index, population.x[subset], population.y[subset], epochs, hp, gen)
 
-class LiRAScoring(ShadowTraining):
-    """Offline LiRA with OUT shadows only (see the module docstring)."""
+    def online_membership(self, target: Target, shadows: int, queries: int) -> torch.Tensor:
+        """(S, N) bool: which queries each online shadow trains on, each query IN for exactly half of the
+        shadows (Carlini et al.'s balanced split), seeded by (attack seed, client)."""
+        gen = torch_generator(self.seed, "mia-online-split", target.client)
+        ranks = torch.rand(shadows, queries, generator=gen).argsort(0).argsort(0)
+        return ranks < shadows // 2
 
-    paper = "Carlini et al., Membership Inference Attacks From First Principles, S&P 2022 (offline LiRA)"
-    Config = LiRAConfig
-    config: LiRAConfig
+    def reference_signals(self, target: Target, queries: Queries, population: Queries, progress: Progress | None) -> ReferenceSignals:
+        """The shadows' logits on the queries and the population, trained once per key.
 
-    def __init__(self, config: Any = None, **kw: Any):
-        super().__init__(config, **kw)
-        #: (architecture key, population, queries, epochs, size) -> the shadows' phi on the queries (S, N)
-        self.cache: dict[tuple[str, str, str, int, int], torch.Tensor] = {}
-
-    def steps_for(self, targets: Sequence[Target]) -> int:
-        return len(targets) * self.config.shadows
-
-    def shadow_confidences(
-        self, target: Target, queries: Queries, population: Queries, progress: Progress | None
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The shadows' phi on the queries (S, N), trained once per key, and what was done."""
+        Offline (``online=False``): ``shadows`` models each trained on ``shadow_size`` random population
+        records, never on a query. Online: each also trains on its half of the queries (the attacker holds
+        the candidates, so it may), on top of ``shadow_size`` minus that many population records."""
         cfg = self.config
+        online = bool(getattr(cfg, "online", False))
         epochs, size, hp = self.shadow_plan(target, population)
-        key = (self.architecture_key(target), fingerprint(population), fingerprint(queries), epochs, size)
-        info = {"shadows": cfg.shadows, "shadow_epochs": epochs, "shadow_size": size, "population": len(population.y), "shadow_lr": hp["lr"]}
+        key = (self.architecture_key(target), fingerprint(population), fingerprint(queries), epochs, size, online)
+        info = {
+            "shadows": cfg.shadows,
+            "shadow_epochs": epochs,
+            "shadow_size": size,
+            "population": len(population.y),
+            "shadow_lr": hp["lr"],
+            "references": "online (IN and OUT shadows)" if online else "offline (OUT shadows)",
+        }
         if key in self.cache:
             if progress:
                 for s in range(cfg.shadows):
                     progress(f"{target.client} shadows (cached)", s, cfg.shadows, 0.0)
-            return self.cache[key], {**info, "shadows_cached": 1}
+            return dataclasses.replace(self.cache[key], info={**info, "shadows_cached": 1})
+        n, p = len(queries.y), len(population.y)
+        queries_in = self.online_membership(target, cfg.shadows, n) if online else torch.zeros(cfg.shadows, n, dtype=torch.bool)
+        population_in = torch.zeros(cfg.shadows, p, dtype=torch.bool)
+        on_queries, on_population = [], []
         with torch.random.fork_rng(devices=[]):
-            rows = []
             for s in range(cfg.shadows):
-                model, last = self.train_shadow(target, s, population, epochs, size, hp)
-                rows.append(logit_confidence(predict(model, queries.x, cfg.eval_batch, self.device), queries.y))
+                mine = queries_in[s]
+                gen, subset = self.shadow_draw(target, s, p, max(0, size - int(mine.sum())) if online else size)
+                population_in[s, subset] = True
+                x = torch.cat([population.x[subset], queries.x[mine]])
+                y = torch.cat([population.y[subset], queries.y[mine]])
+                model, last = self.fit_shadow(target, s, x, y, epochs, hp, gen)
+                on_queries.append(predict(model, queries.x, cfg.eval_batch, self.device))
+                on_population.append(predict(model, population.x, cfg.eval_batch, self.device))
                 if progress:
                     progress(f"{target.client} shadow {s + 1}/{cfg.shadows}", s, cfg.shadows, last)
-        phis = torch.stack(rows)
-        self.cache[key] = phis
-        return phis, {**info, "shadows_cached": 0}
+        signals = ReferenceSignals(torch.stack(on_queries), torch.stack(on_population), queries_in, population_in, info)
+        self.cache[key] = signals
+        return dataclasses.replace(signals, info={**info, "shadows_cached": 0})
+
+
+class LiRAScoring(ShadowTraining):
+    """LiRA, offline (OUT shadows only) or online (IN and OUT shadows); see the module docstring."""
+
+    paper = "Carlini et al., Membership Inference Attacks From First Principles, S&P 2022 (LiRA: online Sec. IV-B, offline Sec. IV-C)"
+    Config = LiRAConfig
+    config: LiRAConfig
+
+    def steps_for(self, targets: Sequence[Target]) -> int:
+        return len(targets) * self.config.shadows
+
+    def variance_rule(self) -> str:
+        variance = self.config.variance
+        if variance == "auto":
+            variance = "global" if self.config.shadows < GLOBAL_VARIANCE_BELOW else "per-example"
+        return variance
 
     def score(self, target: Target, model: nn.Module, queries: Queries, progress: Progress | None) -> tuple[torch.Tensor, dict[str, Any]]:
         population = self.handed(target, "population")
         logits, ce = self.per_query_loss(model, queries)
         phi = logit_confidence(logits, queries.y)
-        shadows, info = self.shadow_confidences(target, queries, population, progress)
-        mu = shadows.mean(0)
-        variance = self.config.variance
-        if variance == "auto":
-            variance = "global" if self.config.shadows < GLOBAL_VARIANCE_BELOW else "per-example"
-        var = shadows.var(0, unbiased=True)
-        sigma = var.mean().sqrt().expand_as(mu) if variance == "global" else var.sqrt()
-        z = (phi - mu) / sigma.clamp_min(1e-6)
-        return z, {
-            **info,
+        refs = self.reference_signals(target, queries, population, progress)
+        shadows = refs.queries.shape[0]
+        phis = logit_confidence(refs.queries.flatten(0, 1), queries.y.repeat(shadows)).view(shadows, -1)  # (S, N)
+        variance = self.variance_rule()
+        if self.config.online:
+            mu_in, var_in = gaussian(phis, refs.queries_in)
+            mu_out, var_out = gaussian(phis, ~refs.queries_in)
+            if variance == "global":  # one variance for IN and OUT: the ratio stays monotone in phi for each query
+                sigma_in = sigma_out = ((var_in.mean() + var_out.mean()) / 2).sqrt().expand_as(mu_in)
+            else:
+                sigma_in, sigma_out = var_in.sqrt(), var_out.sqrt()
+            sigma_in, sigma_out = sigma_in.clamp_min(1e-6), sigma_out.clamp_min(1e-6)
+            score = log_normal(phi, mu_in, sigma_in) - log_normal(phi, mu_out, sigma_out)
+            rule = "log N(phi; mu_in, sigma_in) - log N(phi; mu_out, sigma_out), phi = log(p_y / (1 - p_y))"
+            extra = {"phi_in_mean": float(mu_in.mean())}
+        else:
+            mu_out, var_out = gaussian(phis, torch.ones_like(phis, dtype=torch.bool))
+            sigma_out = (var_out.mean().sqrt().expand_as(mu_out) if variance == "global" else var_out.sqrt()).clamp_min(1e-6)
+            score = (phi - mu_out) / sigma_out
+            rule = "(phi_target - mu_out) / sigma_out, phi = log(p_y / (1 - p_y))"
+            extra = {}
+        return score, {
+            **refs.info,
             "target_loss": float(ce.mean()),
             "variance": variance,
-            "score": "(phi_target - mu_out) / sigma_out, phi = log(p_y / (1 - p_y))",
+            "score": rule,
             "phi_target_mean": float(phi.mean()),
-            "phi_shadow_mean": float(mu.mean()),
+            "phi_shadow_mean": float(mu_out.mean()),
+            **extra,
         }
+
+
+def gaussian(phis: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the mean and the unbiased variance of ``phis`` (S, N) over the shadows ``chosen`` (S, N) for it.
+    A global variance is the mean of these over the queries (Carlini et al. 2022, Sec. VI-A, below 64 shadows)."""
+    w = chosen.double()
+    count = w.sum(0)
+    mu = (phis * w).sum(0) / count.clamp_min(1)
+    return mu, (((phis - mu) ** 2) * w).sum(0) / (count - 1).clamp_min(1)
+
+
+def log_normal(x: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """log N(x; mu, sigma^2), elementwise."""
+    return -0.5 * ((x - mu) / sigma) ** 2 - sigma.log() - 0.5 * math.log(2 * math.pi)
 
 
 # ------------------------------------------------------------------------------------------ registered
