@@ -178,7 +178,8 @@ class RMIAScoring(ShadowTraining):
         if progress:
             progress(f"{target.client} references", 0, 1, 0.0)
         s = len(others)
-        info = {"shadows": 0, "population": len(population.y), "references": f"the other {s} clients' models of round {target.round}"}
+        who = f"the other {s} clients' models" if s > 1 else "the other client's model"
+        info = {"shadows": 0, "population": len(population.y), "references": f"{who} of round {target.round}"}
         return ReferenceSignals(
             torch.stack(on_queries),
             torch.stack(on_population),
