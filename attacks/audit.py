@@ -77,6 +77,7 @@ PROFILES: dict[str, Profile] = {
             "ig": {"steps": 300, "max_batch": 1},
             "mia-loss": {"queries": 200},
             "mia-lira": {"queries": 200, "population": 600, "shadows": 2, "shadow_epochs": 2},
+            "mia-rmia": {"queries": 200, "population": 600, "shadows": 2, "shadow_epochs": 2},
             "mia-logits": {"queries": 200, "population": 600, "matching_rounds": 4},
         },
     ),
@@ -92,6 +93,7 @@ PROFILES: dict[str, Profile] = {
             "ig": {"steps": 1000, "max_batch": 4},
             "mia-loss": {"queries": 500},
             "mia-lira": {"queries": 500, "population": 2000, "shadows": 8, "shadow_epochs": 5},
+            "mia-rmia": {"queries": 500, "population": 2000, "shadows": 8, "shadow_epochs": 5},
             "mia-logits": {"queries": 500, "population": 2000},
         },
         max_targets=2,
@@ -108,6 +110,7 @@ PROFILES: dict[str, Profile] = {
             "ig": {},
             "mia-loss": {"queries": 1000},
             "mia-lira": {"queries": 1000, "shadows": 64},
+            "mia-rmia": {"queries": 1000, "shadows": 64},
             "mia-logits": {"queries": 1000, "matching_rounds": 10},
         },
         max_targets=4,
@@ -276,6 +279,12 @@ class JobSettings:
     data_root: str | None = None
 
 
+def profile_options(profile: Profile, name: str) -> dict[str, Any]:
+    """The profile's options for an attack; an ``-extractor`` variant takes its base attack's (the same
+    scoring, another way to the model)."""
+    return profile.attack_options.get(name, profile.attack_options.get(name.removesuffix("-extractor"), {}))
+
+
 def attack_jobs(subject: Subject, profile: Profile, settings: JobSettings) -> list[AttackOutcome | AttackJob]:
     """Every registered attack on every kind the subject's run sends, at the audited rounds: an outcome
     already decided (nothing to attack, and why) or a job to run, in the report's order."""
@@ -311,7 +320,7 @@ def attack_jobs(subject: Subject, profile: Profile, settings: JobSettings) -> li
                     "round": rnd,
                     "clients": clients,
                     "max_targets": profile.max_targets,
-                    "options": _options_for(cls, profile.attack_options.get(name, {})),
+                    "options": _options_for(cls, profile_options(profile, name)),
                     "seed": settings.seed,
                     "device": settings.device,
                     "deterministic": settings.deterministic,
@@ -364,6 +373,10 @@ def headline(outcome: AttackOutcome) -> str:
         return f"PSNR {psnr:.2f} dB" if psnr is not None else "no PSNR"
     if outcome.family == "labels":
         return f"class recall {s.get('recall', float('nan')):.2f}, histogram L1 {s.get('l1', float('nan')):.2f}"
+    if "pooled_auc" in s:
+        tpr = s.get("pooled_tpr_1pct")
+        at1 = f"{tpr:.3f}" if tpr is not None else "unavailable"
+        return f"AUC {s['pooled_auc']:.3f} [{s['pooled_auc_low']:.3f}, {s['pooled_auc_high']:.3f}] (pooled), TPR@1%FPR {at1}"
     return f"AUC {s.get('auc', float('nan')):.3f}, TPR@1%FPR {s.get('tpr_at_1pct_fpr', float('nan')):.3f}"
 
 

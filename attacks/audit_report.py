@@ -106,7 +106,8 @@ SCHEMA: dict[str, Any] = {
                                 "labels": {**_BEST, "properties": {**_BEST["properties"], "recall": _NUM, "precision": _NUM, "l1": _NUM,
                                                                    "gain_f1": _NUM, "gain_l1": _NUM}},
                                 "membership": {**_BEST, "properties": {**_BEST["properties"], "auc": _NUM, "tpr_at_1pct_fpr": _NUM,
-                                                                       "advantage": _NUM}},
+                                                                       "advantage": _NUM, "auc_low": _NUM, "auc_high": _NUM, "tpr_1pct": _NUM,
+                                                                       "fpr_reached_1pct": _NUM, "tpr_1pct_note": {"type": ["string", "null"]}}},
                                 "results": {"type": "array", "items": {
                                     "type": "object", "required": ["attack", "family", "round", "threat_model", "metrics"],
                                     "properties": {"attack": {"type": "string"}, "family": {"enum": ["reconstruction", "labels", "membership"]},
@@ -149,8 +150,12 @@ def _result(o: AttackOutcome) -> dict[str, Any]:
         metrics["strongest_prior"] = s.get("strongest_prior")
     elif o.family == "labels":
         metrics = {k: _num(s.get(k)) for k in ("recall", "precision", "l1", "exact", "gain_f1", "gain_l1")}
-    else:
+    else:  # the pooled AUC (with its interval) where the scorer gives it: per-target means hide low-FPR ties
         metrics = {k: _num(s.get(k)) for k in ("auc", "tpr_at_1pct_fpr", "advantage")}
+        if s.get("pooled_auc") is not None:
+            metrics["auc"] = _num(s["pooled_auc"])
+            metrics.update({k: _num(s.get(f"pooled_{k}")) for k in ("auc_low", "auc_high", "tpr_1pct", "fpr_reached_1pct")})
+            metrics["tpr_1pct_note"] = s.get("pooled_tpr_1pct_note")
     calibration = s.get("calibration") if isinstance(s.get("calibration"), dict) else {}
     return {
         "attack": o.attack,
@@ -477,8 +482,12 @@ def _kind_section(k: dict[str, Any]) -> str:
                     f"precision {_fmt(lab.get('precision'), '.2f')}, histogram L1 {_fmt(lab.get('l1'), '.2f')}{gains}</td>"
                     f"{_verdict_cell(lab)}{_threat_cell(lab)}</tr>")  # fmt: skip
     if mem:
-        rows.append(f"<tr><td>membership</td><td>{mem['attack']}, round {mem['round']}</td><td>AUC {_fmt(mem.get('auc'), '.3f')}, "
-                    f"TPR at 1 % FPR {_fmt(mem.get('tpr_at_1pct_fpr'), '.3f')}, advantage {_fmt(mem.get('advantage'), '.3f')}</td>"
+        interval = f" [{_fmt(mem.get('auc_low'), '.3f')}, {_fmt(mem.get('auc_high'), '.3f')}]" if mem.get("auc_low") is not None else ""
+        tpr = _fmt(mem.get("tpr_1pct"), ".3f") if mem.get("tpr_1pct") is not None else html.escape(str(mem.get("tpr_1pct_note") or "–"))
+        if "tpr_1pct" not in mem:  # a report of scores without pooled low-FPR fields
+            tpr = _fmt(mem.get("tpr_at_1pct_fpr"), ".3f")
+        rows.append(f"<tr><td>membership</td><td>{mem['attack']}, round {mem['round']}</td><td>AUC {_fmt(mem.get('auc'), '.3f')}{interval}, "
+                    f"TPR at 1 % FPR {tpr}, advantage {_fmt(mem.get('advantage'), '.3f')}</td>"
                     f"{_verdict_cell(mem)}{_threat_cell(mem)}</tr>")  # fmt: skip
     if rows:
         parts.append("<table><tr><th>attack family</th><th>strongest attack</th><th>result</th><th>verdict</th><th>threat model it assumes</th></tr>"

@@ -486,7 +486,23 @@ class MembershipScorer:
             )
             if len(rows) > 1:
                 curves.append(("pooled", pooled.fpr, pooled.tpr))
+            summary.update(membership_verdict(summary))
         return Scored(rows, summary, None, [], [], rule=self.rule, headline_metric="auc", roc_curves=curves)
+
+
+def membership_verdict(summary: dict[str, Any]) -> dict[str, Any]:
+    """Against the prior AUC 0.5 (a guess): leaks when the pooled AUC's interval lies above 0.5; an AUC
+    whose interval lies below it means the attack's scores point the wrong way, a failed attack."""
+    from attacks.priors import LEAKS, NO_EVIDENCE
+
+    auc, low, high = summary["pooled_auc"], summary["pooled_auc_low"], summary["pooled_auc_high"]
+    where = f"pooled AUC {auc:.3f} [{low:.3f}, {high:.3f}] over {summary['pooled_queries']} queries against 0.5"
+    if low > 0.5:
+        return {"verdict": LEAKS, "verdict_detail": f"{LEAKS}: {where}", "failed": False}
+    if high < 0.5:
+        detail = f"{NO_EVIDENCE}: {where}: the attack scored below its prior (it failed); this is not evidence of protection"
+        return {"verdict": NO_EVIDENCE, "verdict_detail": detail, "failed": True}
+    return {"verdict": NO_EVIDENCE, "verdict_detail": f"{NO_EVIDENCE}: {where}: the interval contains chance", "failed": False}
 
 
 def scorer_for(
@@ -495,7 +511,7 @@ def scorer_for(
     """The scoring rule for an attack's output on a kind of ``family`` (``seed``: the priors' population
     subset and the bootstrap intervals)."""
     if "membership" in produces:
-        return MembershipScorer(membership or {})
+        return MembershipScorer(membership or {}, seed)
     if "images" not in produces:
         return LabelScorer(seed)
     if family in (Family.PER_SAMPLE_REPRESENTATION, Family.AGGREGATE_REPRESENTATION):
