@@ -49,6 +49,17 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         Knowledge(extractor=True),
         "honest-but-curious server that also holds each client's extractor (FedRE [000] Sec. 3)",
     ),
+    "curious-server-whitebox-extractor-population": (
+        Knowledge(extractor=True, population=True),
+        "honest-but-curious server that holds each client's extractor (FedRE [000] Sec. 3) and samples of the data distribution "
+        "the client never trained on (other clients' held-out samples), to train an inverse network through the extractor "
+        "(He, Zhang, Lee, ACSAC 2019)",
+    ),
+    "eavesdropper-population": (
+        Knowledge(population=True),
+        "anyone who sees the messages (the server, a neighbour, an eavesdropper on the link) and holds samples of the data "
+        "distribution, no model of the client: it trains a substitute extractor to reproduce what the messages carry",
+    ),
     "curious-server-previous-state": (
         Knowledge(previous_state=True, local_hyperparameters=True),
         "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters",

@@ -15,7 +15,11 @@ it. Each :class:`ArtifactKind` has
   broadcast need not);
 - for parameter-like families, the **form** of the tensors (:class:`ParamForm`): full parameters, a
   gradient of one batch, or an update ``(previous - new) / a``; gradient leakage turns each into the
-  gradient it matches, defenses act on full parameters as updates.
+  gradient it matches, defenses act on full parameters as updates;
+- for representation-like kinds, the **aggregation** (:data:`AGGREGATIONS`): how a row was built from
+  the per-sample representations (one sample, a class mean, a weighted mixture, a mean over all), so
+  that an attack can rebuild the same construction from data of its own (``invert-learned`` trains
+  its decoder on it).
 
 A user's method with a new kind registers it with one call (:func:`register_kind`); capture, defenses
 of its family and attacks of its family then take it as they take the built-in ones::
@@ -169,6 +173,16 @@ class MetaSpec:
         return isinstance(value, _META_TYPES[self.type])
 
 
+#: how a representation-like kind's row is built from per-sample representations r_i (``ArtifactKind.aggregation``)
+AGGREGATIONS: dict[str, str] = {
+    "sample": "one sample's representation per row",
+    "class_mean": "a per-class summary of one class's representations per row: their mean (a prototype), or a centre "
+    "learned to stand for the class (FedTGP's, FPL's clusters)",
+    "weighted_mixture": "one weighted sum of the sender's representations; the kind's soft label carries the same weights "
+    "summed per class (FedRE's entangled representation)",
+    "mean": "the mean of many representations of no particular class",
+}
+
 #: meta keys every kind accepts (set by the engine's protocol, not by a kind)
 COMMON_META = (
     MetaSpec("phase", "str", required=False, doc="'setup' for the one-off exchange before round 0"),
@@ -192,6 +206,8 @@ class ArtifactKind:
     #: the tensor naming each row's class (int ids), or a soft label over classes (float (C,))
     classes: str | None = None
     soft_label: str | None = None
+    #: how each row of ``vectors`` was built (a key of :data:`AGGREGATIONS`; None: undeclared)
+    aggregation: str | None = None
     #: extra tensors beyond the declared ones are refused (False: a method may add its own)
     closed: bool = True
     #: for a kind that travels compressed: tensors as sent -> the dense tensors the receiver (and an
@@ -206,6 +222,8 @@ class ArtifactKind:
             object.__setattr__(self, "form", ParamForm(self.form))
         if not self.name or not self.name.replace("_", "").isalnum():
             raise ValueError(f"kind names are identifiers like 'ent_rep', got {self.name!r}")
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"kind {self.name}: aggregation must be one of {', '.join(AGGREGATIONS)} (or None), got {self.aggregation!r}")
         declared = {t.name for t in self.tensors}
         for ref in (self.vectors, self.classes, self.soft_label):
             if ref is not None and ref not in declared:
@@ -270,6 +288,7 @@ class ArtifactKind:
             "family": str(self.family),
             "description": self.description,
             "form": str(self.form) if self.form else None,
+            "aggregation": self.aggregation,
             "tensors": [{"name": t.name, "dtype": t.dtype, "ndim": t.ndim, "role": t.role, "required": t.required} for t in self.tensors],
             "meta": [
                 {"key": m.key, "type": m.type, "required": m.required, "directions": sorted(m.directions) if m.directions else "all"}
@@ -406,6 +425,7 @@ for _kind in (
         ),
         vectors="reps",
         classes="labels",
+        aggregation="sample",
     ),
     ArtifactKind(
         "proto",
@@ -418,6 +438,7 @@ for _kind in (
         ),
         vectors="protos",
         classes="classes",
+        aggregation="class_mean",
     ),
     ArtifactKind(
         "global_proto",
@@ -427,6 +448,7 @@ for _kind in (
         (MetaSpec("role", "str", required=False, doc="which global prototypes when a method sends several sets (FPL: cluster, unbiased)"),),
         vectors="protos",
         classes="classes",
+        aggregation="class_mean",
     ),
     ArtifactKind(
         "ent_rep",
@@ -438,6 +460,7 @@ for _kind in (
         ),
         vectors="rep",
         soft_label="label",
+        aggregation="weighted_mixture",
     ),
     ArtifactKind("head", Family.PARAMETERS, "classifier head parameters", _STATE, (_samples(), _lr()), closed=False),
     ArtifactKind(
@@ -545,6 +568,7 @@ for _kind in (
             MetaSpec("momentum", "number", required=False, doc="the running mean's momentum (1: the mean of the last batch)"),
         ),
         vectors="rep",
+        aggregation="mean",
     ),
     ArtifactKind(
         "shared_features",
@@ -561,6 +585,7 @@ for _kind in (
         ),
         vectors="features",
         classes="labels",
+        aggregation="sample",
     ),
     ArtifactKind(
         "label_counts",
@@ -599,6 +624,7 @@ def apply_layer_download(local: torch.Tensor, incoming: torch.Tensor, fill: str)
 
 
 __all__ = [
+    "AGGREGATIONS",
     "DIRECTIONS",
     "KINDS",
     "ArtifactKind",
