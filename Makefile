@@ -18,13 +18,14 @@ $(FMNIST):
 	else sudo apt-get update -qq && sudo apt-get install -y -qq dataset-fashion-mnist; fi
 
 # the main job: train FedRE on Fashion-MNIST with every exchange captured, then invert what one
-# client sent beside its per-sample representations and prototypes (FedRE Figure 4) -> gallery + HTML.
+# client sent beside its per-sample representations and prototypes (FedRE Figure 4), with the deep
+# image prior and with the learned decoder, each read against the attacker's prior -> gallery + HTML.
 # 1000 DIP steps (privfl's default since its DIP ablation, docs/attacks.md) keep it to minutes on a CPU.
 DEMO_STEPS ?= 1000
 demo: setup
 	$(PY) -m privfl.train fedre
 	$(PY) -m privfl.capture verify
-	$(PY) -m privfl.attack invert --compare rep,proto,ent_rep --steps $(DEMO_STEPS)
+	$(PY) -m privfl.attack invert --compare rep,proto,ent_rep --learned --steps $(DEMO_STEPS)
 
 # the linters and the type checker, configured in pyproject.toml; they need the venv, not the data
 lint: .venv/.synced

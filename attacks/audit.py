@@ -72,6 +72,9 @@ PROFILES: dict[str, Profile] = {
         2,
         {
             "invert": {"steps": 300, "batch": 16},
+            "invert-learned": {"steps": 400, "shifts": 3},
+            "invert-substitute": {"steps": 400, "shifts": 3, "substitute_steps": 300},
+            "invert-head": {"steps": 400, "shifts": 3},
             "dlg": {"steps": 20, "max_batch": 1, "lbfgs_max_iter": 10},
             "idlg": {"steps": 20, "max_batch": 1, "lbfgs_max_iter": 10},
             "ig": {"steps": 300, "max_batch": 1},

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from attacks.base import Target, create_attack
+from attacks.base import Reconstruction, Target, create_attack
 from attacks.invert import RepresentationInversion, soft_label_text
 from attacks.runner import AttackReport
 from attacks.scoring import Candidates, candidates
@@ -161,11 +161,15 @@ def compare_artifacts(
     progress: bool = False,
     data_root: str | None = None,
     deterministic: bool = False,
+    learned: bool = False,
+    learned_options: dict[str, Any] | None = None,
 ) -> AttackReport:
     """The Figure-4 comparison on one client (default: the first with a stored extractor) at one round
     (default: the last stored): invert each artifact through the runner's ``invert`` attack and score
     every reconstruction against the same sample images (rule a) and its aggregate's best match (rule b).
-    ``deterministic``: torch's deterministic kernels while the inversions run (``--deterministic``)."""
+    ``deterministic``: torch's deterministic kernels while the inversions run (``--deterministic``).
+    ``learned``: also invert every target with ``invert-learned`` (``learned_options``), its own gallery
+    rows, scores and verdicts; each kind is then ordered and judged by its strongest attack."""
     from attacks.calibration import Item, calibrate, headline_fields, identification_item
     from attacks.metrics import score_images, summarize
     from attacks.priors import LEAKS, PriorBank, revealed_classes
@@ -199,7 +203,17 @@ def compare_artifacts(
     p = plan(view, truth, kinds, client, rnd, samples, seed)
     unique = list({t.key: t for ts in p.targets.values() for t in ts}.values())
     recons, seconds = execute(attack, unique, progress=progress, desc=f"compare {', '.join(kinds)} on {client} r{rnd}", deterministic=deterministic)
-    by_key = {r.target.key: r for r in recons}
+    found: dict[str, dict[str, Reconstruction]] = {"": {r.target.key: r for r in recons}}
+    times = {"": seconds}
+    if learned:  # the learned inversion on the same targets: population data handed over as the runner's challenger does
+        from attacks.runner import hand_over
+
+        decoder = create_attack("invert-learned", seed=seed, device=attack.device, **(learned_options or {}))
+        hand_over(truth, run.dataset, unique, decoder)
+        lrecons, times["learned"] = execute(
+            decoder, unique, progress=progress, desc=f"learned inversion on {client} r{rnd}", deterministic=deterministic
+        )
+        found["learned"] = {r.target.key: r for r in lrecons}
     sample_images = truth.images(p.samples)
     bank = PriorBank(truth, seed)
     num_classes = len(truth.dataset.class_names)
@@ -210,63 +224,74 @@ def compare_artifacts(
         "seconds_total": builtins.round(seconds, 2),
         "seconds_per_target": builtins.round(seconds / len(unique), 3),
     }
+    if learned:
+        summary["learned_seconds_per_target"] = builtins.round(times["learned"] / len(unique), 3)
     for kind in kinds:
-        images = torch.stack([by_key[t.key].image for t in p.targets[kind]])
-        per = score_images(images, sample_images)  # rule (a): against the same sample
-        cf = p.targets[kind][0].counterfactual
-        row_label = f"{kind}{' (counterfactual)' if cf else ''}"
-        gallery_rows.append((row_label, images))
-        labels[row_label] = [f"PSNR {v:.2f} dB" for v in per["psnr255"]]
-        best = {t.key: score(by_key[t.key].image, p.candidates[t.key]) for t in {t.key: t for t in p.targets[kind]}.values()}
-        # the priors under rule (a): what the attacker has without this kind's message, against the same sample
-        items = []
-        for i, t in enumerate(p.targets[kind]):
-            own = Candidates(sample_images[i : i + 1], torch.ones(1), 0, "the sample", p.samples[i : i + 1])
-            scores = {f"exact_{m}": v[i] for m, v in per.items()}
-            ident = identification_item(truth, client, own.indices)
-            items.append(Item(by_key[t.key].image, own, "exact", client, scores, revealed_classes(t, num_classes), ident))
-        cal = calibrate(items, truth, bank, seed)
-        strongest = f"prior: {cal.summary['strongest_prior'].replace('_', ' ')}"
-        if strongest in cal.labels:  # not the blank image
-            imgs = dict(cal.gallery)[strongest]
-            same = next((key for key, (_, other, _) in prior_rows.items() if torch.equal(other, imgs)), None)
-            if same is None:
-                prior_rows[f"{kind}.{strongest}"] = ([kind], imgs, cal.labels[strongest])
-            else:
-                prior_rows[same][0].append(kind)
-        for i, t in enumerate(p.targets[kind]):
-            rows.append(
-                {
-                    "kind": kind,
-                    "counterfactual": cf,
-                    "client": client,
-                    "round": rnd,
-                    "sample": int(p.samples[i]),
-                    "class": truth.dataset.class_names[p.classes[i]],
-                    "target": t.key,
-                    **{f"sample_{m}": v[i] for m, v in per.items()},
-                    **{k: v for k, v in best[t.key].items() if k.startswith("best_")},
-                    # the inversion's own final objective (extractor(G(z)) vs the target): convergence is checkable
-                    "feature_mse": by_key[t.key].loss,
-                    **cal.rows[i],
-                }
-            )
-        summary.update({f"{kind}_sample_{k}": v for k, v in summarize(per).items()})
-        summary[f"{kind}_feature_mse"] = float(sum(by_key[t.key].loss for t in p.targets[kind]) / len(p.targets[kind]))
-        summary[f"{kind}_counterfactual"] = cf
-        summary.update({f"{kind}_{k}": v for k, v in headline_fields(cal.summary).items()})
-        summary[f"{kind}_calibration"] = cal.summary
+        for tag, by_key in found.items():
+            pre = f"{kind}_{tag}_" if tag else f"{kind}_"
+            images = torch.stack([by_key[t.key].image for t in p.targets[kind]])
+            per = score_images(images, sample_images)  # rule (a): against the same sample
+            cf = p.targets[kind][0].counterfactual
+            row_label = f"{kind}{' (counterfactual)' if cf else ''}{f' ({tag})' if tag else ''}"
+            gallery_rows.append((row_label, images))
+            labels[row_label] = [f"PSNR {v:.2f} dB" for v in per["psnr255"]]
+            best = {t.key: score(by_key[t.key].image, p.candidates[t.key]) for t in {t.key: t for t in p.targets[kind]}.values()}
+            # the priors under rule (a): what the attacker has without this kind's message, against the same sample
+            items = []
+            for i, t in enumerate(p.targets[kind]):
+                own = Candidates(sample_images[i : i + 1], torch.ones(1), 0, "the sample", p.samples[i : i + 1])
+                scores = {f"exact_{m}": v[i] for m, v in per.items()}
+                ident = identification_item(truth, client, own.indices)
+                items.append(Item(by_key[t.key].image, own, "exact", client, scores, revealed_classes(t, num_classes), ident))
+            cal = calibrate(items, truth, bank, seed)
+            strongest = f"prior: {cal.summary['strongest_prior'].replace('_', ' ')}"
+            if strongest in cal.labels:  # not the blank image
+                imgs = dict(cal.gallery)[strongest]
+                same = next((key for key, (_, other, _) in prior_rows.items() if torch.equal(other, imgs)), None)
+                if same is None:
+                    prior_rows[f"{kind}.{strongest}"] = ([kind], imgs, cal.labels[strongest])
+                elif kind not in prior_rows[same][0]:
+                    prior_rows[same][0].append(kind)
+            for i, t in enumerate(p.targets[kind]):
+                rows.append(
+                    {
+                        "kind": kind,
+                        "attack": "invert-learned" if tag else "invert",
+                        "counterfactual": cf,
+                        "client": client,
+                        "round": rnd,
+                        "sample": int(p.samples[i]),
+                        "class": truth.dataset.class_names[p.classes[i]],
+                        "target": t.key,
+                        **{f"sample_{m}": v[i] for m, v in per.items()},
+                        **{k: v for k, v in best[t.key].items() if k.startswith("best_")},
+                        # the inversion's own final objective (extractor(G(z)) vs the target): convergence is checkable
+                        "feature_mse": by_key[t.key].loss,
+                        **cal.rows[i],
+                    }
+                )
+            summary.update({f"{pre}sample_{k}": v for k, v in summarize(per).items()})
+            summary[f"{pre}feature_mse"] = float(sum(by_key[t.key].loss for t in p.targets[kind]) / len(p.targets[kind]))
+            summary[f"{kind}_counterfactual"] = cf
+            summary.update({f"{pre}{k}": v for k, v in headline_fields(cal.summary).items()})
+            summary[f"{pre}calibration"] = cal.summary
+        # the kind is judged by its strongest attack (the larger gain over the prior)
+        tags = sorted(found, key=lambda tag: summary.get(f"{kind}_{tag}_gain_psnr" if tag else f"{kind}_gain_psnr", float("-inf")))
+        top = tags[-1]
+        summary[f"{kind}_strongest_attack"] = "invert-learned" if top else "invert"
+        for key in ("verdict", "failed", "sample_psnr255"):
+            summary[f"{kind}_strongest_{key}"] = summary[f"{kind}_{top}_{key}" if top else f"{kind}_{key}"]
     for key, (shown_for, imgs, captions) in prior_rows.items():
         label = f"{key.split('.', 1)[1]} ({', '.join(shown_for)})"
         gallery_rows.append((label, imgs))
         labels[label] = captions
-    order = [summary[f"{k}_sample_psnr255"] for k in kinds]
+    order = [summary[f"{k}_strongest_sample_psnr255"] for k in kinds]
     summary["ordering"] = " > ".join(f"{k} ({v:.2f} dB)" for k, v in sorted(zip(kinds, order), key=lambda kv: -kv[1]))
     if kinds == ["rep", "proto", "ent_rep"]:
         summary["paper_ordering_holds"] = bool(order[0] > order[1] > order[2])
     # an attack below its prior failed: ranking it says nothing about how much its artifact leaks
-    failed = [k for k in kinds if summary.get(f"{k}_failed")]
-    unproven = [k for k in kinds if summary.get(f"{k}_verdict") != LEAKS and k not in failed]
+    failed = [k for k in kinds if summary.get(f"{k}_strongest_failed")]
+    unproven = [k for k in kinds if summary.get(f"{k}_strongest_verdict") != LEAKS and k not in failed]
     summary["ordering_meaningful"] = not failed and not unproven
     if failed or unproven:
         why = []
@@ -283,6 +308,8 @@ def compare_artifacts(
         **attack.protocol(),
         "dip_levels_used": attack.levels_used(run.dataset["image_size"]),
         "compare": kinds,
+        "attacks": ["invert", "invert-learned"] if learned else ["invert"],
+        **({"learned": decoder.protocol()} if learned else {}),
         "client": client,
         "round": rnd,
         "samples": p.samples.tolist(),

@@ -64,6 +64,11 @@ THREAT_MODELS: dict[str, tuple[Knowledge, str]] = {
         Knowledge(previous_state=True, local_hyperparameters=True),
         "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters",
     ),
+    "curious-server-previous-state-population": (
+        Knowledge(previous_state=True, local_hyperparameters=True, population=True),
+        "honest-but-curious server that knows the architecture, the state it last broadcast and the local hyperparameters, and "
+        "holds samples of the data distribution the client never trained on, to train an inverse network through that state's features",
+    ),
     "eavesdropper": (
         Knowledge(),
         "anyone who sees the messages (the server, a neighbour, an eavesdropper on the link) and nothing else",

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection(inv, max_targets=True)
     inv.add_argument("--samples", type=int, default=4, help="--compare: images of the client to compare on")
     inv.add_argument(
+        "--learned",
+        action="store_true",
+        help="--compare: also invert every target with the learned decoder (invert-learned), its own rows and verdicts",
+    )
+    inv.add_argument(
         "--settings",
         choices=("privfl", "paper"),
         default="privfl",
@@ -275,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         options = gradleak_options(args)
     common = {"seed": args.seed, "device": args.device, "name": args.name, "progress": not args.no_progress, "data_root": args.data_root}
     common["deterministic"] = args.deterministic
+    if args.command == "invert" and getattr(args, "learned", False) and not args.compare:
+        raise ConfigError("--learned goes with --compare; the learned inversion of one kind is: privfl.attack run invert-learned --artifact KIND")
     if args.command == "invert" and args.compare:
         from attacks import compare_artifacts
 
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         _positive("--samples", args.samples)
         run = Run.open(args.run, args.out_dir)
         client = clients[0] if clients else None
-        report = compare_artifacts(run, kinds, client=client, round=args.round, samples=args.samples, options=options, **common)
+        report = compare_artifacts(run, kinds, client=client, round=args.round, samples=args.samples, options=options, learned=args.learned, **common)
         print_compare(report)
         return 0
     from attacks import run_attack
@@ -358,6 +365,10 @@ def print_compare(report: Any) -> None:
         )
         for line in describe(s.get(f"{k}_calibration", {}), indent="      "):
             print(line)
+        if f"{k}_learned_sample_psnr255" in s:
+            print(f"  {k:<8}{' (learned)':<17} PSNR {s[k + '_learned_sample_psnr255']:6.2f} dB  SSIM {s[k + '_learned_sample_ssim']:.3f}")
+            for line in describe(s.get(f"{k}_learned_calibration", {}), indent="      "):
+                print(line)
     print(f"  ordering: {s['ordering']}")
     if s.get("ordering_note"):
         print(f"  {s['ordering_note']}")

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from attacks.dip import DIPConfig, invert
-from attacks.priors import LEAKS, NO_EVIDENCE, PRIORS
 from attacks.metrics import psnr
+from attacks.priors import LEAKS, NO_EVIDENCE, PRIORS
 from privfl.attack import main as attack_main
 from privfl.cli import run_cli
 from privfl.train import main as train_main

@@ -21,7 +21,9 @@ TINY = Profile(
     {"subsample": 600, "rounds": 2, "partition": "dir", "alpha": 0.3, "min_samples": 8, "batch_size": 32, "model_group": "homo-cnn4"},
     1,
     {"invert": {"steps": 2, "input_depth": 4}, "dlg": {"steps": 1, "lbfgs_max_iter": 2}, "idlg": {"steps": 1, "lbfgs_max_iter": 2},
-     "ig": {"steps": 2}, "mia-loss": {"queries": 40}, "mia-lira": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1}},
+     "ig": {"steps": 2}, "mia-loss": {"queries": 40}, "mia-lira": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1},
+     "mia-rmia": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1},
+     "invert-head": {"steps": 5, "shifts": 0, "population": 80}, "invert-learned": {"steps": 5, "shifts": 0, "population": 80}},
 )  # fmt: skip
 
 METHOD = '''
