@@ -156,7 +156,7 @@ def _result(o: AttackOutcome) -> dict[str, Any]:
             metrics["auc"] = _num(s["pooled_auc"])
             metrics.update({k: _num(s.get(f"pooled_{k}")) for k in ("auc_low", "auc_high", "tpr_1pct", "fpr_reached_1pct")})
             metrics["tpr_1pct_note"] = s.get("pooled_tpr_1pct_note")
-    calibration = s.get("calibration") if isinstance(s.get("calibration"), dict) else {}
+    calibration: dict[str, Any] = s["calibration"] if isinstance(s.get("calibration"), dict) else {}
     return {
         "attack": o.attack,
         "family": o.family,

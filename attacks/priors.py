@@ -186,11 +186,11 @@ class PriorBank:
             out["class_mean"] = top
         present = [(c, float(w[c])) for c in torch.nonzero(w).flatten().tolist()]
         if len(present) > 1:
-            means = [(pop.class_mean(c), wc) for c, wc in present]
-            means = [(m, wc) for m, wc in means if m is not None]
+            found = [(pop.class_mean(c), wc) for c, wc in present]
+            means = [(m, wc) for m, wc in found if m is not None]
             total = sum(wc for _, wc in means)
             if means and total > 0:
-                out["label_mixture"] = cast(torch.Tensor, sum(m * (wc / total) for m, wc in means))
+                out["label_mixture"] = torch.stack([m * (wc / total) for m, wc in means]).sum(0)
         return out
 
 

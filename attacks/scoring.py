@@ -176,7 +176,7 @@ class BatchScorer:
                 ident = identification_item(truth, r.target.client, c.indices)
                 prefixed = {f"{prefix}_{k}": v for k, v in s.items()}
                 items.append(Item(images[i], c, prefix, r.target.client, prefixed, one_hot(label, num_classes), ident))
-        summary = {
+        summary: dict[str, Any] = {
             "images": len(rows),
             "messages": len({r.target.message_seq for r in recons}),
             "seconds_per_message": round(sum(r.seconds for r in recons) / max(len({r.target.message_seq for r in recons}), 1), 2),

@@ -59,6 +59,7 @@ def test_invert_head_reads_a_one_sample_gradient_and_is_read_against_its_prior(f
     rows = report.rows
     # one image per message: its class was read off the gradient's rows, and it is scored among that class's samples
     assert all(r["label_recovered"] is not None and r["matching"].startswith("best match among") for r in rows)
+    assert report.folder is not None
     data = json.loads((report.folder / "metrics.json").read_text())
     assert data["protocol"]["threat_model"] == "curious-server-previous-state-population"
     assert all(r.notes["rule"].startswith("dW_c / db_c") for r in report.reconstructions)
