@@ -152,3 +152,14 @@ def test_kinds_declare_their_aggregation():
         ArtifactKind("sketch2", Family.AGGREGATE_REPRESENTATION, "x", (TensorSpec("v", ndim=2),), vectors="v", aggregation="median")
     soft = ArtifactKind("mix2", Family.AGGREGATE_REPRESENTATION, "x", (TensorSpec("v", ndim=1), TensorSpec("w", ndim=1)), vectors="v", soft_label="w")
     assert construction_of(soft) == "weighted_mixture" and construction_of(soft, "sample") == "sample"
+
+
+def test_colour_images_run_end_to_end(tmp_path):
+    """32 px RGB (CIFAR-100's format, random pixels): the decoder is sized from the dataset."""
+    from tests.fakedata import write_cifar100
+
+    write_cifar100(tmp_path / "data", per_class=8)
+    argv = ["fedallrep", "--dataset", "cifar100", "--data-root", str(tmp_path / "data"), "--num-clients", "3", "--partition", "iid"]
+    assert train_main([*argv, "--rounds", "1", "--batch-size", "32", "--no-progress", "--out-dir", str(tmp_path), "--run-name", "c100"]) == 0
+    report = run_attack(tmp_path / "c100", "invert-learned", kind="rep", clients=[0], max_targets=2, options={"steps": 20, "shifts": 1}, write=False)
+    assert report.reconstructions[0].image.shape == (3, 32, 32) and report.summary["exact_psnr255"] > 0
