@@ -36,7 +36,7 @@ from torch import nn
 from attacks.base import AttackNotApplicable, Progress, Reconstruction, Selection, Target, register_attack
 from attacks.context import leakage_module, previous_record, previous_state
 from attacks.labels import classifier_layer, present_rows
-from attacks.learned import LearnedInversionConfig, _DecoderAttack, population_of
+from attacks.learned import DecoderAttack, LearnedInversionConfig, population_of
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
 from privfl.kinds import KINDS, Family, ParamForm
@@ -111,7 +111,7 @@ class FeatureMap:
 
 
 @register_attack("invert-head")
-class HeadFeatureInversion(_DecoderAttack):
+class HeadFeatureInversion(DecoderAttack):
     """Per-class features from a client's classifier update, inverted with a decoder trained on population
     data through the model the update was computed at (module docstring)."""
 

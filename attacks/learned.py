@@ -64,12 +64,14 @@ from privfl.seeding import derive_seed, torch_generator
 __all__ = [
     "ConvDecoder",
     "Decoder",
+    "DecoderAttack",
     "LearnedInversion",
     "LearnedInversionConfig",
     "SubstituteConfig",
     "SubstituteInversion",
     "construction_of",
     "fit_decoder",
+    "population_of",
     "training_pairs",
 ]
 
@@ -469,8 +471,8 @@ def population_of(targets: Sequence[Target], attack: str) -> Queries:
     return pop
 
 
-class _DecoderAttack(Attack):
-    """What the learned and substitute inversions share: targets, their vectors, progress and results."""
+class DecoderAttack(Attack):
+    """What the decoder attacks share (learned, substitute, head): targets, their vectors, population pairs, one decoder per group."""
 
     Config = LearnedInversionConfig
 
@@ -601,7 +603,7 @@ class _DecoderAttack(Attack):
 
 
 @register_attack("invert-learned")
-class LearnedInversion(_DecoderAttack):
+class LearnedInversion(DecoderAttack):
     consumes = frozenset({str(Family.PER_SAMPLE_REPRESENTATION), str(Family.AGGREGATE_REPRESENTATION)})
     needs = Knowledge(extractor=True, population=True)
     threat_model = "curious-server-whitebox-extractor-population"
@@ -756,7 +758,7 @@ def fit_substitute(
 
 
 @register_attack("invert-substitute")
-class SubstituteInversion(_DecoderAttack):
+class SubstituteInversion(DecoderAttack):
     consumes = frozenset({str(Family.AGGREGATE_REPRESENTATION)})
     needs = Knowledge(population=True)
     threat_model = "eavesdropper-population"
