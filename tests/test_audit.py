@@ -96,7 +96,7 @@ def test_the_audit_attacks_every_kind_and_compares_with_the_references(audited):
     kinds = {k["kind"]: k for k in audited_entry["kinds"]}
     assert set(kinds) == {"model", "proto"}
     model, proto = kinds["model"], kinds["proto"]
-    assert model["reconstruction"]["psnr"] is not None and model["reconstruction"]["attack"] in ("dlg", "idlg", "ig")
+    assert model["reconstruction"]["psnr"] is not None and model["reconstruction"]["attack"] in ("dlg", "idlg", "ig", "invert-head")
     assert model["membership"] is not None and 0.0 <= model["membership"]["auc"] <= 1.0
     assert proto["labels"]["recall"] == 1.0 and proto["labels"]["l1"] < 1e-6  # classes and counts travel in the clear
     assert {r["round"] for r in model["results"]} == set(audited_rounds(2))
