@@ -14,10 +14,11 @@ same ground truth:
 - ``label_mixture``: where the message reveals a soft label (FedRE's entangled label), the class means
   mixed with those weights.
 
-The **strongest prior** is the one with the highest mean headline PSNR over a result's targets: one
-fixed strategy the attacker could have followed for every target (choosing per target with the ground
-truth in hand would be an oracle). Each attack is reported as its **gain** over that prior, paired per
-target (PSNR and SSIM higher is better, LPIPS lower), with a bootstrap interval.
+The **strongest prior** of a measure is the one with the best mean over a result's targets in that
+measure: one fixed strategy the attacker could have followed for every target (choosing per target with
+the ground truth in hand would be an oracle). ``strongest_prior`` names the PSNR one, the headline.
+Each attack is reported as its **gain** over the strongest prior of each measure, paired per target
+(PSNR and SSIM higher is better, LPIPS lower; identification top-1), with a bootstrap interval.
 
 **Identification** asks whether a reconstruction picks out its own image among the attacked client's K
 training images: the rank of the nearest true image among all K by distance to the reconstruction, in
