@@ -255,10 +255,12 @@ def _start_worker(threads: int, plugins: tuple[str, ...]) -> None:
     import importlib
 
     import torch
+    from threadpoolctl import threadpool_limits
 
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
     torch.set_num_threads(threads)
+    threadpool_limits(threads)  # numpy's BLAS too (PCA, ridge solves): loaded before the variables were set
     for module in plugins:
         importlib.import_module(module)
 

@@ -82,9 +82,20 @@ def audited(user_method, tmp_path_factory):
 
     if not FMNIST.exists():
         pytest.skip("apt-get install dataset-fashion-mnist")
+    import torch
+    from threadpoolctl import threadpool_limits
+
     out = tmp_path_factory.mktemp("audit") / "report"
     lines: list[str] = []
-    result = audit(user_method, profile=TINY, compare=["local"], out=out, device="cpu", progress=False, log=lines.append)
+    # one thread, as each of test_two_workers_give_the_same_report's workers: a decoder trained on two threads sums
+    # in another order than on one, and that test compares the two audits to the last bit
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(1):
+            result = audit(user_method, profile=TINY, compare=["local"], out=out, device="cpu", progress=False, log=lines.append)
+    finally:
+        torch.set_num_threads(threads)
     return result, lines
 
 
