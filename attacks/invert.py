@@ -26,7 +26,7 @@ from privfl.kinds import KINDS, Family
 from privfl.run import AttackerView, client_of
 from privfl.seeding import derive_seed
 
-__all__ = ["InversionConfig", "RepresentationInversion", "soft_label_text"]
+__all__ = ["InversionConfig", "RepresentationInversion", "resolve_vector", "soft_label_text"]
 
 
 @dataclass
@@ -39,6 +39,29 @@ class InversionConfig(DIPConfig):
         out = asdict(self)
         out.pop("batch")
         return out
+
+
+def resolve_vector(target: Target) -> torch.Tensor:
+    """The target's vector (d,) from its message (cached in ``payload["vector"]``), filling in what the
+    message says about its class: ``class_id`` and ``label`` for per-class rows, ``payload["soft_label"]``
+    and a ``label`` text for a soft label. Shared by every attack that inverts representation rows."""
+    if "vector" in target.payload:
+        return target.payload["vector"]
+    spec = KINDS.get(target.kind)
+    assert target.record is not None and spec.vectors is not None  # a captured message of a kind with vectors
+    tensors = target.view.load(target.record)
+    names = target.view.dataset["class_names"]
+    vectors = tensors[spec.vectors]
+    row = target.row or 0
+    vector = vectors if vectors.dim() == 1 else vectors[row]
+    if spec.classes and spec.classes in tensors and vectors.dim() == 2:
+        target.class_id = int(tensors[spec.classes][row])
+        target.label = names[target.class_id]
+    elif spec.soft_label and spec.soft_label in tensors:
+        target.payload["soft_label"] = tensors[spec.soft_label].float().cpu()
+        target.label = soft_label_text(tensors[spec.soft_label], names)
+    target.payload["vector"] = vector
+    return vector
 
 
 def soft_label_text(label: torch.Tensor, class_names: Sequence[str], top: int = 3) -> str:
@@ -85,22 +108,7 @@ class RepresentationInversion(Attack):
         return sum(-(-n // self.config.batch) for n in groups.values()) * self.config.steps
 
     def resolve(self, target: Target) -> torch.Tensor:
-        """The target's vector (d,), filling in what the message says about its class."""
-        if "vector" in target.payload:
-            return target.payload["vector"]
-        spec = KINDS.get(target.kind)
-        assert target.record is not None and spec.vectors is not None  # a captured message of a kind with vectors
-        tensors = target.view.load(target.record)
-        names = target.view.dataset["class_names"]
-        vectors = tensors[spec.vectors]
-        vector = vectors if vectors.dim() == 1 else vectors[target.row]
-        if spec.classes and spec.classes in tensors and vectors.dim() == 2:
-            target.class_id = int(tensors[spec.classes][target.row])
-            target.label = names[target.class_id]
-        elif spec.soft_label and spec.soft_label in tensors:
-            target.label = soft_label_text(tensors[spec.soft_label], names)
-        target.payload["vector"] = vector
-        return vector
+        return resolve_vector(target)
 
     def prepare(self, targets: Sequence[Target]) -> None:
         for t in targets:

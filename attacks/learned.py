@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attacks.base import Attack, AttackNotApplicable, Progress, Queries, Reconstruction, Selection, Target, register_attack
-from attacks.invert import soft_label_text
+from attacks.invert import resolve_vector
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
 from privfl.kinds import AGGREGATIONS, KINDS, ArtifactKind, Family
@@ -492,23 +492,7 @@ class DecoderAttack(Attack):
 
     def resolve(self, target: Target) -> torch.Tensor:
         """The target's vector (d,); fills in its class (``class_id``) or soft label (``payload["soft_label"]``)."""
-        if "vector" in target.payload:
-            return target.payload["vector"]
-        spec = KINDS.get(target.kind)
-        assert target.record is not None and spec.vectors is not None  # a captured message of a kind with vectors
-        tensors = target.view.load(target.record)
-        names = target.view.dataset["class_names"]
-        vectors = tensors[spec.vectors]
-        row = target.row or 0
-        vector = vectors if vectors.dim() == 1 else vectors[row]
-        if spec.classes and spec.classes in tensors and vectors.dim() == 2:
-            target.class_id = int(tensors[spec.classes][row])
-            target.label = names[target.class_id]
-        elif spec.soft_label and spec.soft_label in tensors:
-            target.payload["soft_label"] = tensors[spec.soft_label].float().cpu()
-            target.label = soft_label_text(tensors[spec.soft_label], names)
-        target.payload["vector"] = vector
-        return vector
+        return resolve_vector(target)
 
     def prepare(self, targets: Sequence[Target]) -> None:
         for t in targets:
