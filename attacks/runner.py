@@ -245,20 +245,25 @@ def hand_over(truth: GroundTruth, dataset: dict[str, Any], targets: Sequence[Tar
         return Queries((truth.images(idx) - mean) / std, truth.labels[idx].long())
 
     bits: dict[str, torch.Tensor] = {}
+    handed: dict[str, tuple[torch.Tensor, dict[str, Queries]]] = {}  # per client: every draw is seeded by (seed, client) alone
     for t in targets:
-        gen = torch_generator(attack.seed, "membership-game", t.client)
-        train, test = truth.client_train(t.client), truth.client_split(t.client, "test")
-        n = min(len(train), len(test), n_queries)
-        members = train[torch.randperm(len(train), generator=gen)[:n]]
-        others = test[torch.randperm(len(test), generator=gen)[:n]]
-        order = torch.randperm(2 * n, generator=gen)
-        idx = torch.cat([members, others])[order]
-        bits[t.key] = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[order]
-        if attack.needs.candidates:
-            t.payload["queries"] = records(idx)
-        if attack.needs.population:
-            pool = torch.cat([truth.client_split(c, "test") for c in truth.clients() if c != t.client])
-            t.payload["population"] = records(pool[torch.randperm(len(pool), generator=gen)[:n_population]])
+        if t.client not in handed:
+            gen = torch_generator(attack.seed, "membership-game", t.client)
+            train, test = truth.client_train(t.client), truth.client_split(t.client, "test")
+            n = min(len(train), len(test), n_queries)
+            members = train[torch.randperm(len(train), generator=gen)[:n]]
+            others = test[torch.randperm(len(test), generator=gen)[:n]]
+            order = torch.randperm(2 * n, generator=gen)
+            idx = torch.cat([members, others])[order]
+            payload: dict[str, Queries] = {}
+            if attack.needs.candidates:
+                payload["queries"] = records(idx)
+            if attack.needs.population:
+                pool = torch.cat([truth.client_split(c, "test") for c in truth.clients() if c != t.client])
+                payload["population"] = records(pool[torch.randperm(len(pool), generator=gen)[:n_population]])
+            handed[t.client] = (torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[order], payload)
+        bits[t.key], payload = handed[t.client]
+        t.payload.update(payload)
     return bits
 
 
