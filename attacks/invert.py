@@ -26,7 +26,7 @@ from privfl.kinds import KINDS, Family
 from privfl.run import AttackerView, client_of
 from privfl.seeding import derive_seed
 
-__all__ = ["InversionConfig", "RepresentationInversion", "resolve_vector", "soft_label_text"]
+__all__ = ["InversionConfig", "RepresentationInversion", "VectorTargets", "resolve_vector", "soft_label_text"]
 
 
 @dataclass
@@ -69,8 +69,24 @@ def soft_label_text(label: torch.Tensor, class_names: Sequence[str], top: int = 
     return " + ".join(f"{v:.2f} {class_names[i]}" for v, i in zip(values.tolist(), idx.tolist()) if v > 0)
 
 
+class VectorTargets(Attack):
+    """What every attack that inverts representation rows does with its targets: each target's vector (and
+    what its message says of the class) is read before anything runs, so a damaged capture fails in one
+    line; one target runs as a batch of one."""
+
+    def resolve(self, target: Target) -> torch.Tensor:
+        return resolve_vector(target)
+
+    def prepare(self, targets: Sequence[Target]) -> None:
+        for t in targets:
+            self.resolve(t)
+
+    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
+        return self.run_batch([target], progress)[0]
+
+
 @register_attack("invert")
-class RepresentationInversion(Attack):
+class RepresentationInversion(VectorTargets):
     consumes = frozenset({str(Family.PER_SAMPLE_REPRESENTATION), str(Family.AGGREGATE_REPRESENTATION)})
     needs = Knowledge(extractor=True)
     threat_model = "curious-server-whitebox-extractor"
@@ -106,16 +122,6 @@ class RepresentationInversion(Attack):
         for t in targets:
             groups[(t.client, t.round)] += 1
         return sum(-(-n // self.config.batch) for n in groups.values()) * self.config.steps
-
-    def resolve(self, target: Target) -> torch.Tensor:
-        return resolve_vector(target)
-
-    def prepare(self, targets: Sequence[Target]) -> None:
-        for t in targets:
-            self.resolve(t)
-
-    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
-        return self.run_batch([target], progress)[0]
 
     def run_batch(self, targets: Sequence[Target], progress: Progress | None = None) -> list[Reconstruction]:
         """Invert every target through its client's extractor, several targets per optimisation."""

@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attacks.base import Attack, AttackNotApplicable, Progress, Queries, Reconstruction, Selection, Target, register_attack
-from attacks.invert import resolve_vector
+from attacks.base import AttackNotApplicable, Progress, Queries, Reconstruction, Selection, Target, register_attack
+from attacks.invert import VectorTargets
 from attacks.threat import Knowledge
 from privfl.errors import ConfigError
 from privfl.kinds import AGGREGATIONS, KINDS, ArtifactKind, Family
@@ -471,7 +471,7 @@ def population_of(targets: Sequence[Target], attack: str) -> Queries:
     return pop
 
 
-class DecoderAttack(Attack):
+class DecoderAttack(VectorTargets):
     """What the decoder attacks share (learned, substitute, head): targets, their vectors, population pairs, one decoder per group."""
 
     Config = LearnedInversionConfig
@@ -489,17 +489,6 @@ class DecoderAttack(Attack):
             rows = [0] if len(shape) == 1 else range(min(selection.max_targets, shape[0]))
             targets.extend(Target(kind, rnd, client_of(rec), rec, view, row=row) for row in rows)
         return targets
-
-    def resolve(self, target: Target) -> torch.Tensor:
-        """The target's vector (d,); fills in its class (``class_id``) or soft label (``payload["soft_label"]``)."""
-        return resolve_vector(target)
-
-    def prepare(self, targets: Sequence[Target]) -> None:
-        for t in targets:
-            self.resolve(t)
-
-    def run(self, target: Target, progress: Progress | None = None) -> Reconstruction:
-        return self.run_batch([target], progress)[0]
 
     def groups(self, targets: Sequence[Target]) -> dict[tuple[str, int, str], list[Target]]:
         out: dict[tuple[str, int, str], list[Target]] = defaultdict(list)
