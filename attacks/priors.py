@@ -156,6 +156,8 @@ class PriorBank:
         self.truth = truth
         self.seed = seed
         self._cache: dict[str | None, Population] = {}
+        #: per client: its training images and their population features, shared by every identify() call
+        self.pools: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
 
     def population(self, client: str | None) -> Population:
         if client not in self._cache:
@@ -247,7 +249,7 @@ def identify(images: torch.Tensor, items: Sequence[IdentificationItem], truth: G
     """Per image: the nearest true image's rank among the client's K training images in pixel and in
     feature space, and the chance of a top-1 / top-5 hit (None where the images behind it are all K)."""
     out: list[dict[str, Any]] = []
-    pools: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
+    pools = bank.pools  # the client's images and their features, computed once per scoring call
     for x, item in zip(images, items):
         k, m = len(item.pool), int(item.members.sum())
         row: dict[str, Any] = {"pool": k, "members": m}
