@@ -8,6 +8,8 @@
     python -m privfl.audit fedavg --defense dp:max_norm=1,noise_multiplier=1 --compare local
     python -m privfl.audit mypkg.mymethod:MyMethod --check        # one tiny round: which attacks apply, what to declare
     python -m privfl.audit --schema                               # the JSON schema of report.json
+    python -m privfl.audit --all --seeds 0,1,2 --workers 2        # the leaderboard: every method, one partition
+    python -m privfl.audit --methods fedavg,fedre,fedproto --out runs/lb   # run again with the same --out to resume
 
 The method is trained with the profile's settings (``--train KEY=VALUE`` sets any run option, e.g.
 ``--train model_group=homo-cnn4``), attacked by every registered attack that applies on every kind
@@ -15,6 +17,11 @@ it sends at its first, middle and last round, beside reference methods trained o
 partition and seed. The report folder (``--out``, default ``runs/audit-METHOD-TIME``) holds
 ``report.html`` (self-contained), ``report.json`` (schema privfl-audit/1, docs/audit.md),
 ``privacy_utility.png`` and the runs with every attack's own results.
+
+With ``--all`` or ``--methods`` it builds the leaderboard instead: every named method trained on one
+partition per seed and audited alike, written to ``leaderboard.html`` / ``.json`` / ``.csv`` and
+``frontier.png`` (docs/leaderboard.md); ``--out`` (default ``runs/leaderboard-PROFILE``) run again
+continues a killed leaderboard, reusing every finished method whose settings, data and code match.
 """
 # fmt: on
 
@@ -39,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)  # fmt: skip
     p.add_argument("method", nargs="?", help="registered method name or pkg.mod:Class (not with --run)")
     p.add_argument("--run", help="audit this existing run instead of training the method")
+    p.add_argument("--all", action="store_true", help="leaderboard of every registered method (docs/leaderboard.md)")
+    p.add_argument("--methods", metavar="A,B,C", help="leaderboard of these methods (registered names or pkg.mod:Class)")
+    p.add_argument("--seeds", metavar="0,1,2", help="leaderboard seeds: mean and 95 %% interval per cell (default: --seed)")
     p.add_argument("--profile", default="quick", choices=list(PROFILES), help="training size and attack budgets (default: quick)")
     p.add_argument("--compare", help="comma list of reference methods (default: fedavg,local; +fedproto,fedre for representation methods)")
     p.add_argument("--defense", action="append", default=[], metavar="SPEC", help="also audit the method with this defense (repeatable)")
@@ -115,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     options = train_options(args.train)
     workers = Workers(args.workers, args.threads_per_worker, tuple(args.plugin))
+    if args.all or args.methods is not None:
+        return board(args, options, workers)
+    if args.seeds is not None:
+        raise ConfigError("--seeds is for the leaderboard (--all or --methods); a single audit takes --seed")
     if args.check:
         if not args.method:
             raise ConfigError("--check needs a METHOD (a registered name or pkg.mod:Class)")
@@ -130,6 +144,63 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(result.report)
     print(f"report: {result.html}")
     return 0
+
+
+def board(args: argparse.Namespace, options: dict[str, Any], workers: Any) -> int:
+    """``--all`` / ``--methods``: the leaderboard; 1 when a method has no result (the table says why)."""
+    from attacks.leaderboard import all_methods, leaderboard
+
+    if args.method or args.run or args.check or args.compare is not None:
+        raise ConfigError("--all/--methods build the leaderboard: give no METHOD, --run, --check or --compare with them")
+    if args.all and args.methods is not None:
+        raise ConfigError("give --all or --methods, not both")
+    methods = all_methods() if args.all else [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds is not None else [args.seed]
+    except ValueError:
+        raise ConfigError(f"--seeds {args.seeds!r}: expected integers separated by commas, e.g. 0,1,2") from None
+    plugins = tuple(m.partition(":")[0] for m in methods if ":" in m)
+    if plugins:
+        import dataclasses
+
+        workers = dataclasses.replace(workers, plugins=(*workers.plugins, *plugins))
+    out = Path(args.out) if args.out else Path("runs") / f"leaderboard-{args.profile}"
+    result = leaderboard(methods, seeds=seeds, defenses=args.defense, profile=args.profile, out=out, device=args.device,
+                         train_options=options, data_root=args.data_root, workers=workers, deterministic=args.deterministic,
+                         progress=not args.no_progress)  # fmt: skip
+    print_board(result.table)
+    print(f"leaderboard: {result.html}")
+    return 1 if any(r.entry is None for r in result.cells) else 0
+
+
+def print_board(table: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def cell(s: dict[str, Any] | None, fmt: str) -> str:
+        if s is None:
+            return "-"
+        text = f"{s['mean']:{fmt}}" + (f" [{s['low']:{fmt}}, {s['high']:{fmt}}]" if s.get("low") is not None else "")
+        return text + (f" #{s['rank']}" if s.get("rank") is not None else "")
+
+    t = Table(title=f"leakage leaderboard ({table['profile']['name']} profile, seeds {','.join(map(str, table['seeds']))}, "
+                    f"{table['wall_seconds']:.0f} s wall)")  # fmt: skip
+    for col in ("method", "acc global %", "acc personal %", "upload/round", "image gain dB", "labels recall / L1", "membership AUC", "leaks"):
+        t.add_column(col, justify="left" if col in ("method", "leaks") else "right")
+    for r in table["rows"]:
+        c = r["cells"]
+        up = r.get("upload_bytes")
+        leaks = ", ".join(r["leaks"]) or ("sends nothing" if not r["sends"] else "none beyond the prior")
+        t.add_row(r["label"], cell(c.get("acc_global"), ".2f"), cell(c.get("acc_personal"), ".2f"), f"{(up or 0) / 1024:,.1f} KiB",
+                  cell(c.get("reconstruction"), "+.2f"), f"{cell(c.get('label_recall'), '.2f')} / {cell(c.get('label_l1'), '.2f')}",
+                  cell(c.get("membership"), ".3f"), leaks)  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    for w in table["warnings"]:
+        print(f"warning: {w}")
+    for note in table.get("notes", []):
+        print(f"note: {note}")
+    for sentence in table["ordering"]:
+        print(f"  {sentence}")
 
 
 def print_summary(report: dict[str, Any]) -> None:
