@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attacks.audit_plan import reconstruction_psnr
 from attacks.threat import THREAT_MODELS, sok_class
 from privfl.capture.store import atomic_write_bytes, atomic_write_text
 from privfl.kinds import KINDS
 
 if TYPE_CHECKING:
-    from attacks.audit import AttackOutcome, Profile, Subject
+    from attacks.audit_plan import AttackOutcome, Profile, Subject
 
 SCHEMA_VERSION = "privfl-audit/2"
 #: versions :func:`read_report` reads
@@ -135,8 +136,6 @@ def _num(value: Any) -> float | None:
 
 
 def _result(o: AttackOutcome) -> dict[str, Any]:
-    from attacks.audit import reconstruction_psnr
-
     assert o.report is not None and o.round is not None
     s = o.report.summary
     if o.family == "reconstruction":

@@ -2,7 +2,7 @@
 
 For each chosen sample of a client the comparison inverts (1) its per-sample representation, (2) its
 class prototype and (3) the client's entangled representation, and scores every reconstruction
-against that same sample (rule (a) of shared/specs/fedre.md §2.4) and against the best-matching image
+against that same sample (the per-sample rule, docs/decisions.md "FedRE") and against the best-matching image
 of the aggregate (rule (b)). Artifacts the run's method really transmitted are taken from the
 capture; the others are computed here from the client's stored extractor and its training images,
 and marked ``counterfactual`` in every output. This module is experimenter code: it reads ground

@@ -5,9 +5,9 @@ so that the attacked extractor maps ``G(z)`` onto the target representation: the
 is the only image prior. The generator is the DIP authors' feature-inversion skip net (input depth 32,
 channels 16-32-64-128-128-128, skip 4, filters 7-7-5-5-3-3, average-pool downsampling, LeakyReLU, zero
 padding, sigmoid output, z ~ U(0,1)*0.1 fixed, MSE in feature space). The FedRE papers give none of
-these (shared/specs/fedre.md §2.3). Three defaults differ from the DIP authors' setting
+these (FedRE, CVPR 2026, Sec. 4.2 Q2; docs/decisions.md). Three defaults differ from the DIP authors' setting
 (:data:`PAPER_SETTINGS`: nearest upsampling, Adam lr 1e-3, 3100 steps) because privfl's ablation
-(``experiments/dip_ablation.py``, docs/attacks.md) measured a much faster route to a higher PSNR on
+(``python -m experiments.papers.fedre.dip_ablation``, docs/attacks.md) measured a much faster route to a higher PSNR on
 FedRE's representations: bilinear upsampling with Adam lr 3e-2 passes the paper setting's 3100-step
 PSNR within 100-250 steps, and 1000 steps (the default, where the measured PSNR-vs-steps curves
 flatten) end 2-6 dB above it at a third of the time.

@@ -1,6 +1,6 @@
 """The representation-inversion attack: DIP generators matched to captured representations.
 
-Threat model (DESIGN.md, FedRE [000] Sec. 3): an honest-but-curious server that sees the captured
+Threat model (the 2025 FedRE version, "Rethinking Client Knowledge for Federated Learning", Sec. 3 "Threat Model"): an honest-but-curious server that sees the captured
 message and holds the client's extractor (incl. RM) as it was when it produced the artifact. It does
 not see the client's data: this module never opens the ground-truth store.
 

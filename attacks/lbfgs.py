@@ -240,7 +240,7 @@ class LBFGS(_Iteration):
     ring's slot and count, the step length and the stopping tests are Python numbers (each test reads one
     number off a tensor, as ``torch.optim.LBFGS`` does), and the compact form is solved on the filled slots
     only, gathered in chronological order: 0.24-0.27 ms per iteration against 0.52-0.60 ms for
-    :class:`LockstepLBFGS` with one problem (``experiments/bench_lbfgs.py``). ``tests/test_lbfgs.py``
+    :class:`LockstepLBFGS` with one problem (``python -m experiments.bench.lbfgs``). ``tests/test_lbfgs.py``
     checks both classes against ``torch.optim.LBFGS``.
 
     The closure takes no argument, leaves each variable's gradient in ``.grad`` (``None`` reads as zero;

@@ -235,7 +235,6 @@ def _trained(run_dir: Path, values: dict[str, Any], method: str, defenses: Seque
     where it stopped; one killed before any round was saved is moved aside (``run.incomplete-N``, kept)
     and trained anew. Returns the seconds spent here."""
     import privfl.train as train_module
-    from privfl import engine
     from privfl.config import build_config
     from privfl.methods import resolve_method
 
@@ -247,7 +246,7 @@ def _trained(run_dir: Path, values: dict[str, Any], method: str, defenses: Seque
         saved["progress"] = progress
         cfg = build_config(saved, resolve_method(method).Options)
         try:
-            engine.resume(run_dir, cfg)
+            train_module.resume(run_dir, cfg)
             return time.perf_counter() - start
         except PrivflError:
             pass  # nothing to resume from: train it again beside the remains

@@ -179,10 +179,10 @@ def _open(run: str | None, args) -> Any:
 
     run_dir = resolve_run(run, args.out_dir)  # before the heavy imports: a bad --run fails at once
 
-    from privfl.analysis.loading import RunModels
     from privfl.engine import resolve_device
+    from privfl.run import Run
 
-    return RunModels(run_dir, args.data_root, resolve_device(args.device))
+    return Run(run_dir).models(data_root=args.data_root, device=resolve_device(args.device))
 
 
 def _positive(value: int, flag: str, minimum: int = 1) -> int:

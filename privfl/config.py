@@ -424,6 +424,6 @@ def saved_run_values(config: Mapping[str, Any]) -> dict[str, Any]:
 def load_saved_config(run_dir: Path) -> dict[str, Any]:
     """A run's saved ``config.json`` (checked to be a JSON object, read without following links), with
     :data:`SAVED_RUN_DEFAULTS` for options it predates."""
-    from privfl.run import Run
+    from privfl.runfiles import RunFiles
 
-    return saved_run_values(Run(run_dir).config)
+    return saved_run_values(RunFiles(run_dir).config)

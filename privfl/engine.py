@@ -140,7 +140,7 @@ class Trainer:
         if not resume:  # everything checkable is checked: create the folder, exclusively
             self.claim = self._claim(run_dir, claim, resume)
 
-        # the three stores, kept apart (DESIGN.md): messages / attacker knowledge / ground truth
+        # the three stores, kept apart (docs/usage.md): messages / attacker knowledge / ground truth
         # (a resumed run must find them: recreating a deleted store would hide the loss)
         self.capture = TensorStore(run_dir / "capture", "capture", create=not resume) if cfg.capture else None
         self.knowledge_store = TensorStore(run_dir / "knowledge", "knowledge", create=not resume) if cfg.capture else None
@@ -392,7 +392,7 @@ class Trainer:
     @property
     def global_test_idx(self) -> torch.Tensor | None:
         """``--global-test N`` (or the method's :meth:`FLMethod.global_test_size`): a fixed seeded subset of the
-        union of the clients' test sets (DRDFL's Global-T set, spec §3.3: "the union of all clients' local
+        union of the clients' test sets (DRDFL's Global-T set, its Sec. V-A: "the union of all clients' local
         test data"), the same every round."""
         size = type(self.method).global_test_size(self.cfg, self.method.opts)
         if size <= 0:
@@ -592,30 +592,6 @@ def accuracy_metrics(hits: Sequence[tuple[int, int, int | None]], union_size: in
     return out
 
 
-def engine_class(cfg: TrainConfig) -> type[Trainer]:
-    """The trainer of ``cfg.engine``; a one-line error (before anything is created) when it cannot run
-    the method: Flower not installed, a method not written in roles, an option it does not support yet."""
-    if cfg.engine == "inprocess":
-        return Trainer
-    from privfl.flower import require_flower
-
-    require_flower()
-    method_cls = resolve_method(cfg.method)
-    if not method_cls.in_roles():
-        raise ConfigError(
-            f"{cfg.method} runs in-process only: --engine flower needs a method written in roles "
-            "(client_round + server_round + receive, docs/extending.md), and this one overrides run_round"
-        )
-    limit = method_cls.flower_limits(cfg, method_cls.Options(**cfg.options))
-    if limit is not None:
-        raise ConfigError(f"{cfg.method} with these options runs in-process only: {limit}")
-    if cfg.flower_mode == "deployment":
-        from privfl.flower.deploy import check_deployment
-
-        check_deployment(cfg)
-    return _flower_trainer()
-
-
 def subsample(dataset: Any, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
     """(images, labels, the kept indices or None): the run's seeded ``--subsample`` of the dataset."""
     return subsample_of(dataset, cfg.subsample, cfg.seed)
@@ -780,17 +756,13 @@ def write_run_info(trainer: Trainer) -> None:
     atomic_write_text(trainer.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
 
-def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = (), grid: Any = None) -> Run:
-    """Train ``cfg`` into a new run directory; returns the finished :class:`~privfl.run.Run`.
+def train_with(trainer_cls: type[Trainer], cfg: TrainConfig, run_dir: Path, *, callbacks: Sequence[TrainCallback] = (), grid: Any = None) -> Run:
+    """Train ``cfg`` with ``trainer_cls`` into the new folder ``run_dir``; returns the finished :class:`~privfl.run.Run`.
+    Which trainer runs a config (in-process or Flower) is chosen above this module, in :func:`privfl.train.train`,
+    so the engine never imports the Flower trainer built on it.
 
     The folder is created by this call, exclusively (:class:`~privfl.runs.RunClaim`), after every
-    check that needs no folder; only a folder this call created is ever removed. With ``--flower-mode
-    deployment`` the run is submitted to the SuperLink, whose ServerApp calls this again with its
-    ``grid`` and creates the folder (:mod:`privfl.flower.deploy`)."""
-    trainer_cls = engine_class(cfg) if grid is None else _flower_trainer()
-    run_dir = new_run_dir(cfg)
-    if cfg.engine == "flower" and cfg.flower_mode == "deployment" and grid is None:
-        return _submit(cfg, run_dir)
+    check that needs no folder; only a folder this call created is ever removed."""
     claim = RunClaim(run_dir)
     try:
         trainer = trainer_cls(cfg, run_dir, callbacks=callbacks, claim=claim, **({"grid": grid} if grid is not None else {}))
@@ -818,34 +790,11 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = (), grid: An
     return Run(run_dir)
 
 
-def _flower_trainer() -> type[Trainer]:
-    from privfl.flower.server import FlowerTrainer
-
-    return FlowerTrainer
-
-
-def _submit(cfg: TrainConfig, run_dir: Path) -> Run:
-    """Hand the run to the SuperLink and wait for it; the run folder is written by its ServerApp."""
-    from privfl.flower.deploy import submit
-
-    status = submit(cfg, run_dir)
-    if not (run_dir / "summary.json").is_file():
-        where = "see Flower's log above" if status else f"no finished run at {run_dir.resolve()} on this machine: the SuperLink's machine writes it"
-        raise PrivflError(f"the Flower deployment run did not finish here ({where})")
-    return Run(run_dir)
-
-
-def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
-    """Continue a killed run from its last complete round; returns the finished :class:`~privfl.run.Run`.
+def resume_with(trainer_cls: type[Trainer], run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """Continue a killed run from its last complete round with ``trainer_cls`` (chosen by :func:`privfl.train.resume`).
 
     What the kill left half-done is repaired and reported on stderr; any other damage to the run's
     stores refuses the resume with a one-line error (run ``python -m privfl.capture verify``)."""
-    trainer_cls = engine_class(cfg)
-    if cfg.engine == "flower" and (cfg.flower_mode == "deployment" or cfg.defense):
-        why = (
-            "a deployment's SuperNodes are started anew" if cfg.flower_mode == "deployment" else "its nodes' defense references are not checkpointed"
-        )
-        raise ConfigError(f"{run_dir} ran on Flower ({why}): only simulation runs without --defense resume on Flower yet (train it again)")
     claim = RunClaim(run_dir)
     try:
         trainer = trainer_cls(cfg, run_dir, resume=True, callbacks=callbacks, claim=claim)
@@ -862,4 +811,4 @@ def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback
     return Run(run_dir)
 
 
-__all__ = ["TrainCallback", "Trainer", "dir_size", "new_run_dir", "resolve_device", "resume", "train"]
+__all__ = ["TrainCallback", "Trainer", "dir_size", "new_run_dir", "resolve_device", "resume_with", "train_with"]

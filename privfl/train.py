@@ -4,7 +4,7 @@ Examples::
 
     python -m privfl.train fedre                      # quick default: Fashion-MNIST, 10 clients, Dir(0.1)
     python -m privfl.train fedre --re vap --mapping mp
-    python -m privfl.train --config experiments/fedre/cifar10_pra.toml
+    python -m privfl.train --config experiments/papers/fedre/cifar10_pra_hete.toml
     python -m privfl.train --resume                   # continue the latest (killed) run
     python -m privfl.train mypkg.mymethod:MyMethod    # your own FLMethod subclass
 
@@ -33,7 +33,7 @@ from privfl.errors import ConfigError
 from privfl.runs import latest_target
 
 if TYPE_CHECKING:
-    from privfl.engine import TrainCallback
+    from privfl.engine import TrainCallback, Trainer
     from privfl.methods.base import FLMethod
     from privfl.run import Run
 
@@ -46,7 +46,6 @@ def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callba
     Without a TrainConfig, a method's quick CPU defaults (``Options.run_defaults``) fill what is not
     given, as on the command line. ``callbacks`` are :class:`privfl.engine.TrainCallback` hooks.
     """
-    from privfl import engine
     from privfl.methods import resolve_method
 
     if isinstance(cfg, TrainConfig):
@@ -54,14 +53,89 @@ def train(cfg: TrainConfig | Mapping[str, Any] | str | None = None, /, *, callba
             raise ConfigError("give either a TrainConfig or options, not both")
         # the checks the CLI and config files get (types, ranges, choices, method options), on a copy
         build_config(dataclasses.asdict(cfg), resolve_method(cfg.method).Options)
-        return engine.train(cfg, callbacks=callbacks)
+        return train_config(cfg, callbacks=callbacks)
     values: dict[str, Any] = {"method": cfg} if isinstance(cfg, str) else dict(cfg or {})
     values.update(options)
     values.setdefault("method", "fedre")
     method_cls = resolve_method(values["method"])
     for key, value in getattr(method_cls.Options, "run_defaults", {}).items():
         values.setdefault(key, value)
-    return engine.train(build_config(values, method_cls.Options), callbacks=callbacks)
+    return train_config(build_config(values, method_cls.Options), callbacks=callbacks)
+
+
+def train_config(cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """Train a built :class:`TrainConfig` on the engine it names: the in-process trainer, Flower's
+    simulation, or a Flower deployment (submitted to the SuperLink, whose ServerApp trains it). The
+    choice lives here, above :mod:`privfl.engine` and :mod:`privfl.flower`, which builds on the engine."""
+    from privfl import engine
+
+    trainer_cls = engine_class(cfg)
+    run_dir = engine.new_run_dir(cfg)
+    if cfg.engine == "flower" and cfg.flower_mode == "deployment":
+        return _submit(cfg, run_dir)
+    return engine.train_with(trainer_cls, cfg, run_dir, callbacks=callbacks)
+
+
+def resume(run_dir: Path, cfg: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """Continue a killed run from its last complete round; returns the finished :class:`~privfl.run.Run`.
+
+    What the kill left half-done is repaired and reported on stderr; any other damage to the run's
+    stores refuses the resume with a one-line error (run ``python -m privfl.capture verify``)."""
+    from privfl import engine
+
+    trainer_cls = engine_class(cfg)
+    if cfg.engine == "flower" and (cfg.flower_mode == "deployment" or cfg.defense):
+        why = (
+            "a deployment's SuperNodes are started anew" if cfg.flower_mode == "deployment" else "its nodes' defense references are not checkpointed"
+        )
+        raise ConfigError(f"{run_dir} ran on Flower ({why}): only simulation runs without --defense resume on Flower yet (train it again)")
+    return engine.resume_with(trainer_cls, run_dir, cfg, callbacks=callbacks)
+
+
+def engine_class(cfg: TrainConfig) -> type[Trainer]:
+    """The trainer of ``cfg.engine``; a one-line error (before anything is created) when it cannot run
+    the method: Flower not installed, a method not written in roles, an option it does not support yet."""
+    from privfl.engine import Trainer
+    from privfl.methods import resolve_method
+
+    if cfg.engine == "inprocess":
+        return Trainer
+    from privfl.flower import require_flower
+
+    require_flower()
+    method_cls = resolve_method(cfg.method)
+    if not method_cls.in_roles():
+        raise ConfigError(
+            f"{cfg.method} runs in-process only: --engine flower needs a method written in roles "
+            "(client_round + server_round + receive, docs/extending.md), and this one overrides run_round"
+        )
+    limit = method_cls.flower_limits(cfg, method_cls.Options(**cfg.options))
+    if limit is not None:
+        raise ConfigError(f"{cfg.method} with these options runs in-process only: {limit}")
+    if cfg.flower_mode == "deployment":
+        from privfl.flower.deploy import check_deployment
+
+        check_deployment(cfg)
+    return _flower_trainer()
+
+
+def _flower_trainer() -> type[Trainer]:
+    from privfl.flower.server import FlowerTrainer
+
+    return FlowerTrainer
+
+
+def _submit(cfg: TrainConfig, run_dir: Path) -> Run:
+    """Hand the run to the SuperLink and wait for it; the run folder is written by its ServerApp."""
+    from privfl.errors import PrivflError
+    from privfl.flower.deploy import submit
+    from privfl.run import Run
+
+    status = submit(cfg, run_dir)
+    if not (run_dir / "summary.json").is_file():
+        where = "see Flower's log above" if status else f"no finished run at {run_dir.resolve()} on this machine: the SuperLink's machine writes it"
+        raise PrivflError(f"the Flower deployment run did not finish here ({where})")
+    return Run(run_dir)
 
 
 def _catalogue() -> str:
@@ -127,7 +201,6 @@ _SWITCHES = {"-h", "--help"} | {
 
 def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = ()) -> int:
     """The CLI; ``callbacks`` (:class:`privfl.engine.TrainCallback`) hook into the run it trains or resumes."""
-    from privfl import engine
     from privfl.methods import resolve_method
     from privfl.runs import resolve_run
 
@@ -152,7 +225,7 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
         saved.update(args)
         cfg = build_config(saved, resolve_method(saved.get("method", ""), source=f"{run_dir}/config.json").Options)
         with _hint_on_disk_error(lambda: run_dir):
-            run = engine.resume(run_dir, cfg, callbacks=callbacks)
+            run = resume(run_dir, cfg, callbacks=callbacks)
     else:
         values = read_config_file(config_path) if config_path else {}
         values.update(args)
@@ -164,7 +237,7 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[TrainCallback] = 
         cfg = build_config(values, method_cls.Options)
         before = latest_target(Path(cfg.out_dir))
         with _hint_on_disk_error(lambda: _run_created(cfg, before)):
-            run = engine.train(cfg, callbacks=callbacks)
+            run = train_config(cfg, callbacks=callbacks)
     print_summary(run.summary)
     return 0
 
@@ -188,7 +261,7 @@ def _hint_on_disk_error(find_run: Callable[[], Path | None]) -> Iterator[None]:
 
 
 def _run_created(cfg: TrainConfig, latest_before: str | None) -> Path | None:
-    """The run folder ``engine.train`` created for ``cfg``, if it got as far as saving its config."""
+    """The run folder ``train_config`` created for ``cfg``, if it got as far as saving its config."""
     out = Path(cfg.out_dir)
     if cfg.run_name:
         run: Path | None = out / cfg.run_name

@@ -339,7 +339,7 @@ def _check_copies(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None
 
 def _check_summary(run_dir: Path, facts: _RunFacts, report: VerifyReport) -> None:
     """``summary.json`` (written when the run finished) says what the metrics say."""
-    from privfl.run import _read_json
+    from privfl.runfiles import _read_json
 
     path = run_dir / "summary.json"
     if not path.exists() and not path.is_symlink():

@@ -16,12 +16,13 @@ from matplotlib.image import imread
 from safetensors.torch import load_file
 from torch import nn
 
-from privfl.analysis import RunModels, separation
+from privfl.analysis import separation
 from privfl.analyze import main as analyze_main
 from privfl.cli import run_cli
 from privfl.methods import ModelRequest
 from privfl.methods.simple import Local
 from privfl.models import SplitModel
+from privfl.run import Run
 from privfl.train import main as train_main
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -121,7 +122,7 @@ def test_gradcam_maps_figure_and_json(runs):
     assert info["layer_map_size"]["client0"]["features"] == [4, 4] and info["layer_map_size"]["client2"]["features"] == [7, 7]
     assert "FedProto.predict needs" in info["score"]["client0"]  # nearest-prototype predict needs server state
     maps = load_file(str(folder / "maps.safetensors"))
-    rm = RunModels(run)
+    rm = Run(run).models()
     for k in (0, 2):
         for m in ("features", "features.3"):
             assert maps[f"client{k}.{m}"].shape == (2, 28, 28)
@@ -186,7 +187,7 @@ def test_tsne_prototypes_two_runs(runs):
     folder = out / "analysis" / "tsne-proto-fedproto+fedre"
     info = json.loads((folder / "tsne.json").read_text())
     assert [p["method"] for p in info["panels"]] == ["fedproto", "fedre"]
-    rm = RunModels(runs["fedproto"])
+    rm = Run(runs["fedproto"]).models()
     # one point per (client, class present in its train split)
     expected = sum(len(torch.unique(rm.labels_of(rm.client_ids(k, "train")))) for k in range(3))
     vectors = load_file(str(folder / "vectors.safetensors"))
@@ -241,7 +242,7 @@ def test_user_method_with_its_own_model(runs, capsys):
     info = json.loads((folder / "gradcam.json").read_text())
     assert info["layers"]["client1"] == {"encoder": "encoder.net", "encoder.net.0": "encoder.net.0"}
     assert info["score"]["client1"] == "PairLocal.predict (client model only)"
-    rm = RunModels(run)
+    rm = Run(run).models()
     maps = load_file(str(folder / "maps.safetensors"))
     x = rm.client_data(maps["client1.pool_index"]).x
     with torch.no_grad():

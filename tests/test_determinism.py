@@ -81,8 +81,8 @@ class _SeeKernels(TrainCallback):
 @needs_fmnist
 def test_a_deterministic_cpu_run_trains_with_the_kernels_on_and_gives_the_plain_runs_numbers(tmp_path: Path) -> None:
     from privfl.config import build_config
-    from privfl.engine import train as engine_train
     from privfl.methods import resolve_method
+    from privfl.train import train_config as engine_train
 
     values = {"method": "fedavg", "subsample": 240, "partition": "iid", "num_clients": 3, "batch_size": 32, "rounds": 2}
     values |= {"model_group": "homo-cnn4", "progress": False, "device": "cpu", "out_dir": str(tmp_path)}

@@ -209,7 +209,8 @@ def test_killed_run_resumes_exactly(tmp_path):
     resumed, without a second setup, ends with the same metrics, capture and knowledge as an unbroken one.
     In-process: ``tests.killer`` and subprocesses (conftest's ``assert_resumes_exactly``) cost a minute here."""
     from privfl.capture import TensorStore
-    from privfl.engine import resume, train
+    from privfl.train import resume
+    from privfl.train import train_config as train
     from privfl.verify import verify_run
 
     values = {

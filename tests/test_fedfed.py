@@ -234,8 +234,8 @@ def test_run_stopped_after_sharing_resumes_exactly(ran, tmp_path):
     """The shared dataset lives in the server state: a run stopped inside its first federated round resumes
     from the checkpoint after the sharing step and sends and scores what the uninterrupted run (the fixture,
     same seed) did."""
-    from privfl.engine import resume
-    from privfl.engine import train as train_cfg
+    from privfl.train import resume
+    from privfl.train import train_config as train_cfg
 
     cfg = config(tmp_path, "stopped")
     with pytest.raises(Stop):

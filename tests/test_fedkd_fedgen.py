@@ -395,9 +395,9 @@ def test_fedgen_with_identical_models_sends_the_whole_model_as_fedavg(gen_homo_r
 def test_fedgen_share_model_refuses_a_heterogeneous_group(tmp_path):
     """The option alone is valid; the group is checked when the method meets its clients, and the refusal leaves nothing."""
     from privfl.config import build_config
-    from privfl.engine import train as train_cfg
     from privfl.errors import ConfigError
     from privfl.methods.fedgen import FedGenOptions
+    from privfl.train import train_config as train_cfg
 
     cfg = build_config(
         {"method": "fedgen", "subsample": 200, "model_group": "cpu5", "out_dir": str(tmp_path / "runs"), "options": {"share": "model"}}, FedGenOptions
@@ -423,9 +423,9 @@ def test_fedgen_interrupted_run_resumes_exactly(tmp_path, fmnist, group):
     checkpoint sends and scores exactly what an uninterrupted run does. (tests/conftest.py's subprocess
     kill-and-resume check is the same with a hard kill; it costs a minute of CPU here.)"""
     from privfl.config import build_config
-    from privfl.engine import resume
-    from privfl.engine import train as train_cfg
     from privfl.methods.fedgen import FedGenOptions
+    from privfl.train import resume
+    from privfl.train import train_config as train_cfg
 
     values = {
         "method": "fedgen",

@@ -225,7 +225,8 @@ def test_killed_run_resumes_exactly(tmp_path, method):
     """Killed in round 1 after 2 of its 3 uploads and resumed: same metrics, capture and truth as an unbroken
     run. FedRep's state is the server's body; FedALA's is each client's W, stored after the first, converging
     ALA at the end of round 0: a resume without it would run a converging ALA again in round 1."""
-    from privfl.engine import resume, train
+    from privfl.train import resume
+    from privfl.train import train_config as train
     from privfl.verify import verify_run
 
     values = {

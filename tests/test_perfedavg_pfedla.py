@@ -324,8 +324,8 @@ def test_pfedla_interrupted_run_resumes_exactly(tmp_path):
     only the global model and the personal parts, which the engine checkpoints for every method; its
     determinism is checked above, two runs capturing the same tensors.)"""
     method, options = "pfedla", {"hn_lr": 0.5}
-    from privfl.engine import resume
-    from privfl.engine import train as train_cfg
+    from privfl.train import resume
+    from privfl.train import train_config as train_cfg
 
     values = {
         "method": method,

@@ -68,8 +68,9 @@ def test_table_has_both_protocols_and_comm_and_resumes_without_retraining(tmp_pa
 
 def test_a_killed_run_is_continued(tmp_path):
     from privfl.config import build_config
-    from privfl.engine import TrainCallback, train
+    from privfl.engine import TrainCallback
     from privfl.methods import resolve_method
+    from privfl.train import train_config as train
 
     class Kill(TrainCallback):
         def on_round_end(self, rnd, entry):

@@ -8,7 +8,7 @@ input size; the raw maps are kept, the figure normalises each map to its own max
 With ``same_images`` every client explains the same images, which makes maps comparable across
 clients; the mean pairwise cosine between clients' maps of one image then measures how consistent a
 module's attention is across clients (DRDFL's claim: Learngene consistent, PersonaNet client-specific;
-shared/specs/drdfl.md §6.1).
+DRDFL App. VII-C, Fig. 7).
 """
 
 from __future__ import annotations

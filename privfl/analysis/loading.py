@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from privfl.errors import CaptureError, ConfigError, UnknownNameError
-from privfl.run import load_checkpoint_state, read_checkpoint
+from privfl.runfiles import load_checkpoint_state, load_pool, read_checkpoint
 
 if TYPE_CHECKING:
     from privfl.methods.base import FLMethod
@@ -66,17 +66,15 @@ class ClientData:
 @dataclass
 class RunModels:
     """A run opened for analysis (a view of :class:`privfl.Run`): config, method class, dataset pool,
-    client split, checkpointed models. Built by ``Run.models()``; a path is accepted too."""
+    client split, checkpointed models. Built by ``Run.models()`` (or ``RunModels(run)`` on an opened run)."""
 
-    run: Any  # privfl.run.Run, or a run directory path
+    run: Any  # a privfl.run.Run (this module sits below privfl.run, which builds it: no import of it here)
     data_root: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self) -> None:
-        from privfl.run import Run
-
-        if not isinstance(self.run, Run):
-            self.run = Run(self.run)
+        if not hasattr(self.run, "method_cls"):
+            raise TypeError(f"RunModels needs an opened run (privfl.Run.open(path).models()), got {type(self.run).__name__}")
         self.run_dir = self.run.path
         self.config: dict[str, Any] = self.run.config
         self.info: dict[str, Any] = self.run.info
@@ -207,8 +205,6 @@ class RunModels:
     # ------------------------------------------------------------------ data
     @cached_property
     def _loaded(self) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        from privfl.run import load_pool
-
         return load_pool(self.run, self.data_root)
 
     @property

@@ -16,11 +16,11 @@ import argparse
 import json
 import sys
 
-from privfl.capture.message import KINDS
 from privfl.capture.store import TensorStore
 from privfl.channel import summarize_comm
 from privfl.cli import PLUGIN_HELP, ArgumentParser, load_plugins, run_cli
 from privfl.errors import CaptureError, UnknownNameError
+from privfl.kinds import KINDS
 
 
 def _stores(run_dir):

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from privfl.kinds import KINDS  # the vocabulary, declared once in privfl.kinds (re-exported for the CLIs)
-
 
 def _check_meta(meta: dict[str, Any]) -> None:
     try:
@@ -24,7 +22,7 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise TypeError(f"Message.meta must be JSON-serialisable: {exc}") from None
 
 
-__all__ = ["KINDS", "Message"]
+__all__ = ["Message"]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Append-only, checksummed tensor stores: the capture, the attacker knowledge and the ground truth.
 
-One format serves all three (kept in three separate folders, DESIGN.md "three-way split"):
+One format serves all three (kept in three separate folders, docs/usage.md "Three stores, kept apart"):
 
 ``manifest.json``
     ``{"format": "privfl-store/2", "role": ...}``: a folder that is not ours is refused.
@@ -33,7 +33,7 @@ small file costs a few hundred microseconds while clients train in other threads
 a FedRE run creates over twenty a round; kept to the round's end (and with no copy of tensors that
 need none, :func:`portable_tensors`), the time spent in the capture's writes fell from 4.7 and 4.1 % of
 training to 2.9 and 2.1 % in two measurements (FedRE), from 24.5 to 16.5 % for FedAvg's full models
-(``experiments/bench_capture.py``, 2026-11-27).
+(``python -m experiments.bench.capture``, 2026-11-27).
 
 Every read refuses symbolic links and paths that leave the store's folder, so a run someone sent you
 cannot make privfl read (or report as intact) files outside it.

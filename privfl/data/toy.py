@@ -2,7 +2,7 @@
 
 The paper says only "300 training and 200 test two-dimensional samples distributed across two
 clients", that FedGH uploads "4 prototypes" and FedRE "2 entangled representations". Our reading
-(``experiments/fedre/toy2d.py`` documents it): four classes, two per client (the pathological
+(``experiments/papers/fedre/toy2d.py`` documents it): four classes, two per client (the pathological
 partition, ``pat`` with ``classes_per_client = 2``, ``balanced``), so the two clients send 4
 (client, class) prototypes between them and one entangled representation each; 500 points, 125 per
 class, and a 60 % train share per client give 150 + 150 training and 100 + 100 test points.

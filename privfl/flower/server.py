@@ -319,13 +319,13 @@ app = ServerApp()
 @app.main()
 def _deployed(grid: Grid, context: Context) -> None:
     from privfl.config import build_config
-    from privfl.engine import train
+    from privfl.engine import new_run_dir, train_with
     from privfl.flower.deploy import JOB_KEY
     from privfl.methods import resolve_method
 
     job = json.loads(str(context.run_config[JOB_KEY]))
     cfg = build_config(job, resolve_method(job["method"]).Options)
-    train(cfg, grid=grid)
+    train_with(FlowerTrainer, cfg, new_run_dir(cfg), grid=grid)
 
 
 __all__ = ["FlowerTrainer", "app"]

@@ -1,5 +1,5 @@
 """DRDFL: decoupled representations on a ring (Guo, Lv, Geng, "Harmonizing Generalization and
-Personalization in Ring-topology Decentralized Federated Learning"). Spec: shared/specs/drdfl.md;
+Personalization in Ring-topology Decentralized Federated Learning");
 every open point and its default is listed in docs/methods/drdfl.md.
 
 Client m holds ``learngene`` (phi: x -> (mu, log sigma^2) of q(z_l|x), shared), ``personanet``
@@ -46,7 +46,7 @@ LOG_2PI = math.log(2 * math.pi)
 class DRDFLOptions:
     #: the quick CPU default of ``python -m privfl.train drdfl`` without --config (flags override it):
     #: a seeded 6k-image subset of Fashion-MNIST, 5 rounds, narrow modules (the option defaults); the
-    #: paper's settings (width 32 everywhere, CIFAR ResNet-18, 300 rounds) are in experiments/drdfl/
+    #: paper's settings (width 32 everywhere, CIFAR ResNet-18, 300 rounds) are in experiments/papers/drdfl/
     run_defaults: ClassVar[dict[str, Any]] = {"subsample": 6000, "rounds": 5}
 
     schedule: str = opt("sync", "ring schedule: sync (Alg. 1, all nodes in parallel) or token (model passed node to node)", choices=("sync", "token"))

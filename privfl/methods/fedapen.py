@@ -2,7 +2,7 @@
 
 Qin, Deng, Shen, Yang, Wang, Li, Li, "FedAPEN: Personalized Cross-silo Federated Learning with
 Adaptability to Statistical Heterogeneity", KDD 2023 (official code: zhenqincn/FedAPEN). A baseline of
-FedMRL (shared/specs/fedmrl.md Sec. 5; shared model CNN-1 with identical clients, CNN-5 otherwise).
+FedMRL (FedMRL Sec. 5.1; shared model CNN-1 with identical clients, CNN-5 otherwise).
 
 Each client k holds a **private model** (its :class:`~privfl.models.SplitModel`, any architecture; never
 sent), a **shared model** (one architecture for all, the only thing transmitted) and an **ensemble

@@ -9,7 +9,7 @@ C_omega(.) until convergence. The CVAE consists of an encoder E_phi(.), a decode
 parameters denoted as w = [phi, theta]. Collaborative learning among clients is achieved by using the
 pretrained model as the shared interaction information." Sec. II-B: a CVAE "introduces label vectors
 as inputs to both the encoder and decoder". Tables I/II: "Full model" in the personalised-parameters
-column, #Comm 63.44M. There is no code; spec: shared/specs/drdfl.md §3.4 and §7.19.
+column, #Comm 63.44M. There is no code; decisions: docs/methods/personalised.md.
 
 Client m holds (``FedcvaeModel``):
 

@@ -3,7 +3,7 @@
 Yang, Zhang, Zheng, Tian, Peng, Liu, Han, "FedFed: Feature Distillation against Data Heterogeneity in
 Federated Learning", NeurIPS 2023, arXiv 2310.05077; official code github.com/visitworld123/FedFed
 (``algorithms_standalone/basePS``, ``model/FL_VAE.py``, ``config.yaml``). A baseline of DRDFL's Tables I
-and II (shared/specs/drdfl.md Sec. 3.4 and 4). The paper's text is not in shared/papers: the objective,
+and II (App. VII-B3). The paper's text was not available: the objective,
 the defaults and the message structure below are read from the official code, which the paper points
 to, so the terms are named after the code's variables rather than the paper's equation numbers, and
 every choice the code leaves open is an option.

@@ -1,7 +1,7 @@
 """FedFree: layer-wise alignment with Gaussian pseudo-data and Knowledge Gain Entropy.
 
 Du et al., "FedFree: Breaking Knowledge-sharing Barriers through Layer-wise Alignment in Heterogeneous
-Federated Learning", NeurIPS 2025. Spec: shared/specs/fedfree.md; decisions: docs/methods/fedfree.md.
+Federated Learning", NeurIPS 2025. Decisions: docs/methods/fedfree.md.
 
 Per round (Alg. 1), every selected client (stateful, personalised model):
 1. trains locally (CE), then scores every Conv2d/Linear layer by its relative squared change
@@ -254,7 +254,7 @@ def alignment_loss(
 ) -> torch.Tensor:
     """Eq. 3: mean over the mapped uploads of ||g(X) - θ(X)||², summed over the (shared) output
     channels and averaged over batch and spatial positions, so a step moves g by about 2α towards the
-    uploads for conv and linear layers alike (spec §7 item 4)."""
+    uploads for conv and linear layers alike (docs/methods/fedfree.md)."""
     y_g = layer_forward(layer, x, weight, bias)
     total = y_g.new_zeros(())
     for w_c, b_c, out_mask in targets:

@@ -3,7 +3,7 @@
 Zhu, Hong, Zhou, "Data-Free Knowledge Distillation for Heterogeneous Federated Learning", ICML 2021,
 arXiv 2105.10056 (official code: zhuangdizhu/FedGen); heterogeneous variant as HtFLlib
 (``TsingZ0/HtFLlib``: ``clients/clientgen.py``, ``servers/servergen.py``) and the FedRE paper's tables
-(shared/specs/fedre.md Sec. 4, Sec. 3.3 Table 11).
+(FedRE, CVPR 2026, Tables 1 and 11).
 
 Every client keeps its own body (features + RM, any architecture) and shares its head, a
 ``Linear(d, C)`` of the same shape everywhere. The server owns the global head and a lightweight

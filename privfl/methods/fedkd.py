@@ -3,7 +3,7 @@
 Wu, Wu, Lyu, Huang, Xie, "Communication-efficient federated learning via knowledge distillation",
 Nat. Commun. 13, 2032 (2022), arXiv 2108.13323; heterogeneous variant as HtFLlib
 (``TsingZ0/HtFLlib``: ``clients/clientkd.py``, ``servers/serverkd.py``) and the FedRE paper's tables
-(shared/specs/fedre.md Sec. 4, Sec. 3.3 Table 11).
+(FedRE, CVPR 2026, Tables 1 and 11).
 
 Each client k holds (:class:`FedKDModel`):
 

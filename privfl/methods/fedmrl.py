@@ -1,7 +1,7 @@
 """FedMRL: federated model-heterogeneous Matryoshka representation learning.
 
 Yi, Yu, Ren, Wang, Liu, Li, "Federated Model Heterogeneous Matryoshka Representation Learning",
-NeurIPS 2024, arXiv 2406.00488 (shared/papers/002; spec: shared/specs/fedmrl.md).
+NeurIPS 2024, arXiv 2406.00488.
 
 Each client k holds three parts, trained jointly from one loss (Sec. 3, Eqs. 2-10):
 - G = G^hd o G^ex, the **shared homogeneous small model** (the only thing transmitted): a CNN of
@@ -64,7 +64,7 @@ INFERENCE = ("mix-large", "mix-small", "single-large", "single-small")
 @dataclass
 class FedMRLOptions:
     """FedMRL's hyperparameters; the shared ones (lr, batch size, local epochs, momentum, weight decay)
-    are run options. Paper values: shared/specs/fedmrl.md Sec. 2."""
+    are run options. Paper values: docs/methods/fedmrl.md "Reproducing the paper"."""
 
     d1: int = opt(
         200,

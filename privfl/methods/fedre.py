@@ -2,7 +2,7 @@
 
 [000] "Rethinking Client Knowledge for Federated Learning: An Entangled Representation Perspective"
 (NeurIPS 2025 submission); [001] Yao et al., "FedRE: A Representation Entanglement Framework for
-Model-Heterogeneous Federated Learning" (CVPR 2026, arXiv 2511.22265). Spec: shared/specs/fedre.md.
+Model-Heterogeneous Federated Learning" (CVPR 2026, arXiv 2511.22265). Decisions: docs/decisions.md.
 
 Per round ([001] Alg. 1): each selected client sets its head to the received global classifier,
 trains extractor + head with plain CE (Eq. 1), maps every train sample through its extractor and RM

@@ -1,8 +1,8 @@
 """FML: federated mutual learning.
 
 Shen, Wang, Lv, Zhang, Yuan, Li, Xu, Wu, "Federated Mutual Learning", arXiv 2006.16765, 2020. A baseline
-of FedMRL (shared/specs/fedmrl.md Sec. 5: "their shared small model is CNN-1 in the homo setting and
-CNN-5 in the hetero setting").
+of FedMRL (FedMRL Sec. 5.1: its shared small model is CNN-1 in the homogeneous setting and
+CNN-5 in the heterogeneous one).
 
 Each client k holds two models:
 - its **private (local) model**: its :class:`~privfl.models.SplitModel` of the assigned architecture

@@ -1,7 +1,7 @@
 """The memory layout a client model computes in (``--memory-format``): channels-last on CPU by default.
 
 Why: on a CPU, oneDNN's convolutions and PyTorch's max pooling are much faster on NHWC tensors than on
-NCHW ones. Measured on this project's 2-core machine, one thread (``experiments/bench_layout.py`` in
+NCHW ones. Measured on this project's 2-core machine, one thread (``python -m experiments.bench.layout`` in
 ``make bench``, 2026-11-26): a training step of ``cnn4`` takes 0.81x the time at batch 10 and 0.74x at
 batch 64, an evaluation forward of 512 images 0.47x (the cpu5 models: 0.74-0.84x and 0.33-0.79x; NCHW
 max pooling alone is 10x slower than NHWC). The values are the same; the order of the floating-point sums

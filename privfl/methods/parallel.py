@@ -2,7 +2,7 @@
 
 Why threads help: a client's local round is small arithmetic (a ``cnn4`` step at batch 10 is ~8 ms), so
 torch's own intra-op threads speed it up little, while clients are independent. On this project's
-2-core machine a round of the parity setting (``experiments/bench_client_workers.py``, 2026-11-26) takes
+2-core machine a round of the parity setting (``python -m experiments.bench.client_workers``, 2026-11-26) takes
 0.70x the time of one thread with torch splitting each operation over two, 0.54x with two clients at
 once, one thread each (torch releases the GIL inside its kernels; the Python between them is a small
 share of a step).

@@ -3,7 +3,7 @@ Guarantees: A Model-Agnostic Meta-Learning Approach", NeurIPS 2020): FedAvg on t
 
 Each client's objective is F_i(w) = f_i(w - alpha grad f_i(w)): the loss after one gradient step of
 size alpha on its own data; the server seeks the w minimising their mean. Per round (Algorithm 1;
-equation numbers are not cited because the paper is not in shared/papers):
+equation numbers are not cited: the paper's text was not available here):
 
 1. every client holds the global model w (kind ``model``, down; the setup broadcast for round 0);
 2. each selected client runs ``--local-epochs`` of meta steps. One step draws independent batches

@@ -9,8 +9,8 @@ L x N matrix). Client i's personalised model is, layer by layer,
 
     theta_bar_i^l = sum_j alpha_ij^l theta_j^l.
 
-Per round (the paper's Fig. 2 workflow; equation numbers are not cited because the paper is not in
-shared/papers):
+Per round (the paper's Fig. 2 workflow; equation numbers are not cited: the paper's text was not
+available here):
 
 1. every client holds the theta_bar_i it last received (kind ``model``, down; the setup sends one to
    each client before round 0);

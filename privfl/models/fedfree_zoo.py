@@ -1,7 +1,7 @@
 """FedFree's model set (Du et al., NeurIPS 2025, Table A1): its 5-layer CNN and CIFAR-style ResNets.
 
-Spec: shared/specs/fedfree.md §3.1. The paper names the architectures but not the CNN's widths; the
-spec's proposal (conv 3x3 32 -> 64, each + ReLU + MaxPool2, fc 768 -> 128 -> C) gives 3.27M
+The paper names the architectures but not the CNN's widths; privfl's
+choice (conv 3x3 32 -> 64, each + ReLU + MaxPool2, fc 768 -> 128 -> C) gives 3.27M
 parameters on CIFAR-10, the paper's "≈3.2M". The paper's ResNet counts (11.2M/21.3M/23.5M/42.5M/58.2M)
 are those of CIFAR ResNets (3x3 stride-1 stem, no max-pool), built here from torchvision's own blocks
 (weights=None, torchvision initialisation). GoogLeNet and MobileNetV2 are the zoo's torchvision models
