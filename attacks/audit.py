@@ -37,8 +37,8 @@ from attacks.base import ATTACKS, KNOWLEDGE_FIXES, Attack, AttackNotApplicable, 
 from attacks.runner import AttackReport, run_attack
 from privfl.config import parse_scalar
 from privfl.errors import ConfigError, PrivflError
+from privfl.fl.method import FLMethod
 from privfl.kinds import KINDS, Family
-from privfl.methods.base import FLMethod
 from privfl.run import Run
 
 #: which attack family each kind of output belongs to, and the metric that ranks its results

@@ -26,7 +26,7 @@ from attacks.invert import RepresentationInversion, soft_label_text
 from attacks.runner import AttackReport
 from attacks.scoring import Candidates, candidates
 from privfl.errors import CaptureError, ConfigError
-from privfl.methods.entangle import entangle, random_draws, sample_weights
+from privfl.fl.entangle import entangle, random_draws, sample_weights
 from privfl.run import AttackerView, GroundTruth, Run
 from privfl.seeding import numpy_rng, torch_generator
 

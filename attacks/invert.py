@@ -1,8 +1,9 @@
 """The representation-inversion attack: DIP generators matched to captured representations.
 
-Threat model (the 2025 FedRE version, "Rethinking Client Knowledge for Federated Learning", Sec. 3 "Threat Model"): an honest-but-curious server that sees the captured
-message and holds the client's extractor (incl. RM) as it was when it produced the artifact. It does
-not see the client's data: this module never opens the ground-truth store.
+Threat model (the 2025 FedRE version, "Rethinking Client Knowledge for Federated Learning", Sec. 3
+"Threat Model"): an honest-but-curious server that sees the captured message and holds the client's
+extractor (incl. RM) as it was when it produced the artifact. It does not see the client's data: this
+module never opens the ground-truth store.
 
 It takes every kind of the per-sample and aggregate representation families (``rep``, ``proto``,
 ``global_proto``, ``ent_rep`` and any kind a user registers there): each row of the kind's declared

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from privfl.capture import Message
 from privfl.config import opt
+from privfl.fl.method import GlobalModelServer, class_prototypes, module_tensors
 from privfl.methods import Client
-from privfl.methods.base import GlobalModelServer, class_prototypes, module_tensors
 
 
 @dataclass

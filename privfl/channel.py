@@ -183,7 +183,7 @@ class Channel:
 
         ``shared``: receivers whose message left the mods unchanged get one common copy (the same
         ``tensors`` dict) instead of a copy each, for receivers that only read it or alias it
-        copy-on-write (:mod:`privfl.methods.shared`); a mod that changes a receiver's message gives that
+        copy-on-write (:mod:`privfl.fl.shared`); a mod that changes a receiver's message gives that
         receiver its own copy. Still none of them aliases the sender's tensors.
 
         The capture serialises and hashes each distinct content once: the receivers whose message left the

@@ -65,7 +65,7 @@ def check_range(key: str, value: Any, metadata: Mapping[str, Any]) -> None:
         raise ConfigError(f"option {key}: must be {range_text(metadata)}, got {value!r}")
 
 
-#: --memory-format values (privfl.methods.layout says what each does)
+#: --memory-format values (privfl.fl.layout says what each does)
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 
 

@@ -29,12 +29,12 @@ from privfl.channel import Channel, summarize_comm
 from privfl.config import TrainConfig, save_config
 from privfl.determinism import deterministic_kernels, prepare_cublas
 from privfl.errors import ConfigError, PrivflError
+from privfl.fl.layout import compute_layout
+from privfl.fl.method import EXPOSURES, global_test_indices, mean_metrics
+from privfl.fl.parallel import ordered_map, resolve_client_workers
+from privfl.fl.shared import check_bound, own_tensors
+from privfl.fl.trainer import LocalTrainer
 from privfl.methods import Client, DataView, FLEnv, FLMethod, KnowledgeRecorder, ModelRequest, check_method_class, resolve_method
-from privfl.methods.base import EXPOSURES, global_test_indices, mean_metrics
-from privfl.methods.layout import compute_layout
-from privfl.methods.parallel import ordered_map, resolve_client_workers
-from privfl.methods.shared import check_bound, own_tensors
-from privfl.methods.trainer import LocalTrainer
 from privfl.run import ALIASES_KEY, Run, load_checkpoint_state, load_partition, read_checkpoint
 from privfl.runs import RunClaim, latest_target, mark_latest, unmark_latest
 from privfl.seeding import numpy_rng, seed_global

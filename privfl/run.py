@@ -41,7 +41,7 @@ from privfl.runfiles import (
 
 if TYPE_CHECKING:
     from privfl.config import TrainConfig
-    from privfl.methods.base import FLMethod, LeakageContext, ModelRequest
+    from privfl.fl.method import FLMethod, LeakageContext, ModelRequest
 
 
 class Run(RunFiles):

@@ -62,8 +62,8 @@ def recorded_seeding() -> Iterator[list[tuple[int | str, ...]]]:
     """In this thread, :func:`seed_global` records its arguments in the yielded list and seeds nothing.
 
     Why: torch, numpy and ``random`` each have one global generator per process, so clients trained
-    at once in threads cannot each seed it (:mod:`privfl.methods.parallel`). Code that only seeds it,
-    as :class:`~privfl.methods.trainer.LocalTrainer` does "for dropout, if any", draws nothing from it
+    at once in threads cannot each seed it (:mod:`privfl.fl.parallel`). Code that only seeds it,
+    as :class:`~privfl.fl.trainer.LocalTrainer` does "for dropout, if any", draws nothing from it
     when the model has no dropout; the caller checks that nothing was drawn and replays the last
     recorded call, so the state after the clients is the one a sequential run leaves."""
     outer = getattr(_RECORDING, "calls", None)

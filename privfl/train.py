@@ -34,7 +34,7 @@ from privfl.runs import latest_target
 
 if TYPE_CHECKING:
     from privfl.engine import TrainCallback, Trainer
-    from privfl.methods.base import FLMethod
+    from privfl.fl.method import FLMethod
     from privfl.run import Run
 
 

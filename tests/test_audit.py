@@ -29,7 +29,7 @@ TINY = Profile(
 METHOD = '''
 import torch
 from privfl.capture import Message
-from privfl.methods.base import GlobalModelServer, class_prototypes, module_tensors
+from privfl.fl.method import GlobalModelServer, class_prototypes, module_tensors
 
 
 class ProtoAvg(GlobalModelServer):

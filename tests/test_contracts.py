@@ -185,7 +185,7 @@ def test_a_kind_registered_with_one_call_is_captured_defended_and_attacked(tmp_p
     (tmp_path / "sketch_fl.py").write_text(
         "import torch\n"
         "from privfl.methods import FLMethod\n"
-        "from privfl.methods.base import class_prototypes\n"
+        "from privfl.fl.method import class_prototypes\n"
         "from privfl.capture import Message\n"
         f"class Sketch(FLMethod):\n"
         f"    sends = {{'{_KIND}': 'up'}}\n"

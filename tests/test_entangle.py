@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from privfl.methods.base import class_prototypes
-from privfl.methods.entangle import MECHANISMS, entangle, normalise, random_draws, sample_weights, soft_label_loss
+from privfl.fl.entangle import MECHANISMS, entangle, normalise, random_draws, sample_weights, soft_label_loss
+from privfl.fl.method import class_prototypes
 from privfl.seeding import torch_generator
 
 C = 5

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel, summarize_comm
 from privfl.config import build_config
+from privfl.fl.method import module_tensors
 from privfl.methods import METHODS
-from privfl.methods.base import module_tensors
 from privfl.methods.fedbn import FedBN, bn_tensor_names, shared_state
 from privfl.methods.fedprox import FedProx
 from privfl.models import build_model

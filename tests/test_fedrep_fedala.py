@@ -17,8 +17,8 @@ import torch
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel, summarize_comm
 from privfl.config import build_config
+from privfl.fl.method import module_tensors
 from privfl.methods import METHODS
-from privfl.methods.base import module_tensors
 from privfl.methods.fedala import FedALA
 from privfl.methods.fedrep import FedRep, body_state, head_parameters
 from privfl.models import build_model

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from privfl.capture import TensorStore
 from privfl.engine import TrainCallback
+from privfl.fl.finch import finch
 from privfl.methods.fedtgp import PrototypeGenerator, adaptive_margin, train_generator
-from privfl.methods.finch import finch
 from privfl.methods.fpl import cluster_prototypes, fpl_terms, unbiased_prototypes
 from privfl.train import main as train_main
 from tests.fakedata import write_cifar100

@@ -25,7 +25,7 @@ TINY += ["--lr", "0.05", "--device", "cpu", "--no-progress"]
 def test_methods_in_roles_are_declared_by_their_hooks() -> None:
     """Every built-in method is in roles; a subclass that overrides run_round is not (its round is no longer
     the composition), nor is a method that only has run_round."""
-    from privfl.methods.base import FLMethod
+    from privfl.fl.method import FLMethod
     from privfl.methods.simple import FedAvg
 
     assert all(METHODS.get(m).in_roles() for m in METHODS.names())
@@ -202,7 +202,7 @@ def test_flower_gossip_on_a_graph_equals_inprocess(tmp_path: Path) -> None:
 
 def test_route_gossip_keeps_edge_order_and_refuses_a_non_neighbour() -> None:
     from privfl.errors import PrivflError
-    from privfl.methods.base import route_gossip
+    from privfl.fl.method import route_gossip
     from privfl.topology import Ring
 
     ring = Ring(3)

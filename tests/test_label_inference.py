@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from attacks import ATTACKS, AttackReport, Selection, run_attack
 from attacks.labels import LabelConfig, class_shares, integer_counts, present_rows, read_classifier, read_representation, representation_reading
 from privfl.capture import Message
+from privfl.fl.method import Client, module_tensors
 from privfl.kinds import KINDS, example_message
 from privfl.methods import FLMethod
-from privfl.methods.base import Client, module_tensors
 from privfl.run import Run
 from privfl.train import main as train_main
 

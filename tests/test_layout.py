@@ -9,8 +9,8 @@ import json
 import torch
 from torch import nn
 
-from privfl.methods.layout import compute_layout, wants_channels_last
-from privfl.methods.shared import SharedTensors, bind_shared
+from privfl.fl.layout import compute_layout, wants_channels_last
+from privfl.fl.shared import SharedTensors, bind_shared
 from privfl.models import build_model
 from privfl.run import Run, load_checkpoint_state, read_checkpoint
 from tests.conftest import read_metrics

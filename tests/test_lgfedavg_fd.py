@@ -75,7 +75,7 @@ def test_average_heads_weights_by_num_samples_or_uniformly():
 
 
 def test_logit_accumulator_and_class_mean_logits_are_per_class_means():
-    from privfl.methods.base import DataView
+    from privfl.fl.method import DataView
 
     torch.manual_seed(0)
     images = torch.randint(0, 256, (50, 1, 4, 4), dtype=torch.uint8)

@@ -23,8 +23,8 @@ from attacks import Selection, create_attack, run_attack
 from attacks.base import Queries, Target
 from privfl.capture import Message
 from privfl.errors import ConfigError
+from privfl.fl.method import Client
 from privfl.methods import FLMethod
-from privfl.methods.base import Client
 from privfl.run import Run
 from privfl.train import main as train_main
 from tests.conftest import FMNIST

@@ -22,9 +22,9 @@ from torch import nn
 from torch.func import functional_call
 
 from privfl.config import build_config
+from privfl.fl.method import module_tensors
 from privfl.methods import METHODS
 from privfl.methods import perfedavg as perfedavg_module
-from privfl.methods.base import module_tensors
 from privfl.methods.perfedavg import meta_objective, split_batch
 from privfl.methods.pfedla import layer_weights
 from privfl.run import Run

@@ -14,10 +14,10 @@ import torch
 from privfl.capture import Message, TensorStore
 from privfl.channel import Channel
 from privfl.errors import ConfigError, PrivflError
+from privfl.fl.shared import SharedTensors, bind_shared, own_tensors
 from privfl.methods import check_method_class
 from privfl.methods.fednova import FedNova
 from privfl.methods.fedprox import FedProx
-from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
 from privfl.methods.simple import FedAvg, Local
 from privfl.models import build_model
 from privfl.run import load_checkpoint_state, read_checkpoint

@@ -391,7 +391,7 @@ def test_a_method_whose_broadcast_overwrites_nothing_scores_the_same_under_both_
 
 
 def test_drop_last_and_fixed_order_batches():
-    from privfl.methods.base import DataView
+    from privfl.fl.method import DataView
 
     view = DataView(torch.zeros(7, 1, 2, 2, dtype=torch.uint8), torch.arange(7), (0.0,), (1.0,), torch.device("cpu"))
     idx = torch.tensor([5, 1, 3, 6, 0, 2, 4])
@@ -402,8 +402,8 @@ def test_drop_last_and_fixed_order_batches():
 
 def test_an_epochs_last_single_sample_is_skipped_for_batchnorm_models_only():
     from privfl.config import build_config, saved_run_values
-    from privfl.methods.base import DataView
-    from privfl.methods.trainer import batches_per_epoch, min_train_batch
+    from privfl.fl.method import DataView
+    from privfl.fl.trainer import batches_per_epoch, min_train_batch
 
     view = DataView(torch.zeros(7, 1, 2, 2, dtype=torch.uint8), torch.arange(7), (0.0,), (1.0,), torch.device("cpu"))
     idx = torch.arange(7)

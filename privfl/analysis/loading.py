@@ -22,7 +22,7 @@ from privfl.errors import CaptureError, ConfigError, UnknownNameError
 from privfl.runfiles import load_checkpoint_state, load_pool, read_checkpoint
 
 if TYPE_CHECKING:
-    from privfl.methods.base import FLMethod
+    from privfl.fl.method import FLMethod
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]
 

@@ -122,7 +122,7 @@ def collect(
 ) -> Panel:
     """One run's points: prototypes over each client's whole train split, or a seeded per-client
     subsample of per-sample vectors (the same draw for every run of the same partition and seed)."""
-    from privfl.methods.base import class_prototypes
+    from privfl.fl.method import class_prototypes
 
     vecs, classes, owners, counts = [], [], [], []
     num_classes = len(rm.class_names)

@@ -79,8 +79,8 @@ class ClientNode:
         from privfl.config import build_config
         from privfl.determinism import prepare_cublas, set_deterministic_kernels
         from privfl.engine import resolve_device
+        from privfl.fl.trainer import LocalTrainer
         from privfl.methods import Client, FLEnv, KnowledgeRecorder, ModelRequest, resolve_method
-        from privfl.methods.trainer import LocalTrainer
         from privfl.models import assign_archs
         from privfl.seeding import seed_global
 

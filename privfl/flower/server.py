@@ -35,10 +35,10 @@ from flwr.serverapp import Grid, ServerApp
 from privfl.capture.message import Message as PrivflMessage
 from privfl.engine import Trainer, parse_rounds
 from privfl.errors import PrivflError
+from privfl.fl.method import FLMethod, route_gossip
 from privfl.flower.node import CLIENT_SETUP, GOSSIP, HELLO, SETUP, STEP, build_client_app, indices_record
 from privfl.flower.records import get_json, get_messages, get_numbers, get_tensors, put_json, put_messages, tensors_record
 from privfl.methods import Client
-from privfl.methods.base import FLMethod, route_gossip
 
 #: a message from a node's reply: the message, its ground truth, the defenses the node applied to it
 _Upload = tuple[PrivflMessage, dict[str, torch.Tensor] | None, list[int]]

@@ -1,19 +1,31 @@
-"""Federated methods, one module each, registered by name in :data:`METHODS`, and the method contract."""
+"""Federated methods, one module each, registered by name in :data:`METHODS`.
 
-from privfl.methods.base import (
+The contract they are written against and the machinery they share live in :mod:`privfl.fl`; its public
+names are re-exported here, so ``from privfl.methods import FLMethod`` keeps working."""
+
+import sys as _sys
+
+# the module paths of the contract before it moved to privfl.fl (plug-ins written against them still import)
+from privfl.fl import method as _method
+from privfl.fl import trainer as _trainer
+from privfl.fl.method import (
     METHODS,
     Client,
     ClientReply,
     DataView,
     FLEnv,
     FLMethod,
+    GlobalModelServer,
     KnowledgeRecorder,
     LeakageContext,
     ModelRequest,
     check_method_class,
     resolve_method,
 )
-from privfl.methods.trainer import LocalStats, LocalTrainer
+from privfl.fl.trainer import LocalStats, LocalTrainer
+
+_sys.modules.setdefault("privfl.methods.base", _method)
+_sys.modules.setdefault("privfl.methods.trainer", _trainer)
 
 __all__ = [
     "METHODS",
@@ -22,6 +34,7 @@ __all__ = [
     "DataView",
     "FLEnv",
     "FLMethod",
+    "GlobalModelServer",
     "KnowledgeRecorder",
     "LeakageContext",
     "LocalStats",

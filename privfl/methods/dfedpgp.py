@@ -25,7 +25,7 @@ of specs/drdfl.md):
 3. it updates the personal part for K_v = ``head_epochs`` epochs with the body frozen
    (v <- v - eta_v grad_v F_i(u, v)), then the shared part for K_u = ``body_epochs`` epochs with the new
    head frozen (u <- u - eta_u grad_u F_i(u, v)), both through the shared seeded
-   :class:`~privfl.methods.trainer.LocalTrainer`.
+   :class:`~privfl.fl.trainer.LocalTrainer`.
 
 What is sent, per directed live link per round: the body's state, |u| scalars (parameters and buffers of
 features + mapping; no aux). homo-cnn4 on Fashion-MNIST: 576,896; torchvision ResNet-18 without its fc
@@ -84,7 +84,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
+from privfl.fl.method import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
 from privfl.methods.fedrep import frozen
 from privfl.seeding import derive_seed
 from privfl.topology import Graph, GraphOptions, build_graph

@@ -88,8 +88,8 @@ from privfl.capture.message import Message
 from privfl.codecs import pack_mask, sparse_aux, sparse_decode, sparse_encode, sparse_masks, unpack_mask
 from privfl.config import opt
 from privfl.errors import ConfigError
+from privfl.fl.method import METHODS, Client, FLMethod, LeakageContext, ModelRequest
 from privfl.kinds import KINDS
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
 from privfl.seeding import derive_seed, torch_generator
 from privfl.topology import Graph, GraphOptions, build_graph
 

@@ -35,7 +35,7 @@ from torch.func import functional_call
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
+from privfl.fl.method import METHODS, Client, FLMethod, LeakageContext, ModelRequest, mean_metrics
 from privfl.seeding import derive_seed
 from privfl.topology import GRAPH_SHAPES, Graph, Ring, build_graph, parse_failures
 

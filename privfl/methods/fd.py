@@ -62,8 +62,8 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes
-from privfl.methods.layout import compute_layout
+from privfl.fl.layout import compute_layout
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, class_prototypes
 
 DISTILL_LOSSES = ("soft_ce", "raw_ce", "mse")
 

@@ -74,7 +74,7 @@ from torch.func import functional_call
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client
+from privfl.fl.method import METHODS, Client
 from privfl.methods.fedrep import frozen
 from privfl.methods.simple import FedAvg
 from privfl.seeding import numpy_rng

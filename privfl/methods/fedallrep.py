@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client
-from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.method import METHODS, Client
 
 
 @dataclass

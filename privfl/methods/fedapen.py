@@ -78,7 +78,7 @@ from torch import Tensor, nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, LeakageContext, ModelRequest
+from privfl.fl.method import METHODS, Client, ClientReply, LeakageContext, ModelRequest
 from privfl.methods.fml import SHARED_ARCHS, MutualLearningServer, build_shared_model, clip_parts, mutual_loss
 from privfl.models.split import SplitModel
 from privfl.seeding import torch_generator

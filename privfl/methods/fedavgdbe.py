@@ -81,9 +81,9 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, ModelRequest, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, ModelRequest, module_tensors
+from privfl.fl.trainer import Objective
 from privfl.methods.fedmrl import weighted_average
-from privfl.methods.trainer import Objective
 from privfl.models.split import SplitModel
 
 #: the seeded loop's round key of the setup pass (the initialization period comes before round 0)

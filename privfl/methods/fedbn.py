@@ -62,7 +62,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, average_states, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, average_states, module_tensors
 
 #: the module types whose parameters and buffers FedBN keeps local
 BN_TYPES: tuple[type[nn.Module], ...] = (

@@ -111,7 +111,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, FLMethod, LeakageContext, ModelRequest
+from privfl.fl.method import METHODS, Client, FLMethod, LeakageContext, ModelRequest
 from privfl.methods.drdfl import ConvEncoder, Decoder, Learngene, cifar_resnet18
 from privfl.seeding import derive_seed
 from privfl.topology import Graph, GraphOptions, build_graph

@@ -140,9 +140,9 @@ from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.data.datasets import PFLLIB_MEAN_STD
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, mean_metrics, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, mean_metrics, module_tensors
+from privfl.fl.trainer import Objective, batches_per_epoch, min_train_batch
 from privfl.methods.fedmrl import weighted_average
-from privfl.methods.trainer import Objective, batches_per_epoch, min_train_batch
 from privfl.models.split import SplitModel
 from privfl.seeding import numpy_rng, seed_global, torch_generator
 

@@ -35,8 +35,8 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.kinds import apply_layer_download
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 EPS = 1e-12

@@ -93,7 +93,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import (
+from privfl.fl.method import (
     METHODS,
     Client,
     ClientReply,

@@ -96,8 +96,8 @@ from privfl.capture.message import Message
 from privfl.codecs import CONV_SVD, svd_aux, svd_encode
 from privfl.config import opt
 from privfl.errors import ConfigError
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest
 from privfl.kinds import KINDS
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest
 from privfl.models.split import SplitModel
 from privfl.seeding import seed_global
 

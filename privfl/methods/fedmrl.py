@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.models.fedmrl_zoo import CNN_TABLE, MRLConvNet, small_model
 from privfl.models.split import SplitModel
 from privfl.seeding import seed_global

@@ -22,7 +22,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer, module_tensors
 
 
 def local_steps(num_samples: int, batch_size: int, local_epochs: int) -> int:

@@ -60,8 +60,8 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, average_states, module_tensors
-from privfl.methods.trainer import Objective, cross_entropy
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, average_states, module_tensors
+from privfl.fl.trainer import Objective, cross_entropy
 from privfl.seeding import numpy_rng
 
 

@@ -22,8 +22,7 @@ import torch
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client
-from privfl.methods.entangle import (
+from privfl.fl.entangle import (
     DISTRIBUTIONS,
     MECHANISMS,
     NEGATIVES,
@@ -32,7 +31,8 @@ from privfl.methods.entangle import (
     sample_weights,
     soft_label_loss,
 )
-from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.method import METHODS, Client
 from privfl.seeding import torch_generator
 
 

@@ -32,7 +32,7 @@ Decisions where the paper is open or the references differ:
   (PFLlib and DRDFL) and ``body_epochs`` defaults to ``--local-epochs`` (PFLlib's mapping, which also keeps
   the run's ``local_epochs`` equal to the steps behind an upload for gradient-leakage attacks); DRDFL's
   setting is ``--local-epochs 4`` (or ``--body-epochs 4``) with ``--head-epochs 1``.
-- **Freezing.** Each phase trains through the shared :class:`~privfl.methods.trainer.LocalTrainer`
+- **Freezing.** Each phase trains through the shared :class:`~privfl.fl.trainer.LocalTrainer`
   with ``parameters=`` the trained part and the other part's ``requires_grad`` off (as PFLlib), so no
   gradient is computed for it. Both phases use the run's optimizer (PFLlib: plain SGD with the same lr
   for both). The trainer seeds each call from (seed, round, client, epoch), so the head's epoch e and the
@@ -43,7 +43,7 @@ Decisions where the paper is open or the references differ:
   The model is in train mode in both phases (as PFLlib), so a BatchNorm body's running statistics also
   move during the head epochs; its parameters do not.
 - **Initial body.** The server builds the client architecture with its own seed (as
-  :class:`~privfl.methods.base.GlobalModelServer`) and broadcasts its body at setup; heads start from
+  :class:`~privfl.fl.method.GlobalModelServer`) and broadcasts its body at setup; heads start from
   each client's own initialisation (PFLlib: one shared initial model; heads then diverge anyway).
 - **Evaluation.** PFLlib's FedRep evaluates right after ``send_models``: each client's model with the
   received global body and its own head, which is ``--eval global`` here. ``personal_parts`` = the body:
@@ -68,9 +68,9 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext
+from privfl.fl.trainer import batches_per_epoch, min_train_batch
 from privfl.methods.lgfedavg import average_heads
-from privfl.methods.trainer import batches_per_epoch, min_train_batch
 from privfl.seeding import seed_global
 
 #: the client-model prefixes of the shared representation (features + representation mapping)

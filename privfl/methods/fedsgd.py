@@ -5,7 +5,7 @@ upload is the gradient of the mean cross-entropy of ONE batch of ``batch_size`` 
 the global model, and the attacker (the server) knows that model because it broadcast it (the
 ``model`` messages are in the capture; the setup broadcast is round 0's starting point).
 
-Built on :class:`~privfl.methods.base.GlobalModelServer`, the part FedSGD, FedNova and FedAvg share: a server-held global
+Built on :class:`~privfl.fl.method.GlobalModelServer`, the part FedSGD, FedNova and FedAvg share: a server-held global
 model, broadcast as ``model`` before round 0 (meta ``phase=setup``) and after every round.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer
 from privfl.seeding import seed_global, torch_generator
 
 

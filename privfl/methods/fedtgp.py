@@ -60,8 +60,8 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply
-from privfl.methods.prototypes import GlobalPrototypeReceiver, prototype_round, stacked_prototypes
+from privfl.fl.method import METHODS, Client, ClientReply
+from privfl.fl.prototypes import GlobalPrototypeReceiver, prototype_round, stacked_prototypes
 from privfl.seeding import seed_global, torch_generator
 
 

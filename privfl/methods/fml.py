@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, ModelRequest, load_module_tensors, module_tensors
 from privfl.methods.fedmrl import weighted_average
 from privfl.models.fedmrl_zoo import CNN_TABLE, FC2_DIM, MRLConvNet
 from privfl.models.split import SplitModel

@@ -13,7 +13,7 @@ What is sent, per client and round:
   TinyImageNet with d = 512 / 512 / 2048, of which 10 / 100 / 200 are unbiased prototypes).
 
 Server (RethinkFL ``proto_aggregation``). For each class, the received prototypes of
-that class are clustered with FINCH (:mod:`privfl.methods.finch`, cosine distance); each cluster's
+that class are clustered with FINCH (:mod:`privfl.fl.finch`, cosine distance); each cluster's
 prototype is the unweighted mean of its members, and a class received from one client
 keeps that prototype as its only cluster. The **partition** is the last FINCH step, the coarsest one
 that still has more than one cluster (RethinkFL takes ``c[:, -1]``; the paper only says FINCH
@@ -52,9 +52,9 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod
-from privfl.methods.finch import DISTANCES, finch
-from privfl.methods.prototypes import prototype_round, stacked_prototypes
+from privfl.fl.finch import DISTANCES, finch
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod
+from privfl.fl.prototypes import prototype_round, stacked_prototypes
 
 
 @dataclass

@@ -52,7 +52,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, LeakageContext, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, LeakageContext, module_tensors
 from privfl.seeding import seed_global
 
 #: what a head message puts before the head's own parameter names (the client model's names)

@@ -87,9 +87,9 @@ from torch.func import functional_call
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, GlobalModelServer, LeakageContext, module_tensors
+from privfl.fl.trainer import LocalStats, LocalTrainer, Objective
 from privfl.methods.lgfedavg import average_heads
-from privfl.methods.trainer import LocalStats, LocalTrainer, Objective
 from privfl.seeding import seed_global, torch_generator
 
 

@@ -82,7 +82,7 @@ from torch import nn
 from privfl.capture.message import Message
 from privfl.config import opt
 from privfl.errors import ConfigError
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, load_module_tensors, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, load_module_tensors, module_tensors
 from privfl.seeding import seed_global
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from privfl.capture.message import Message
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, average_states, module_tensors
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, GlobalModelServer, average_states, module_tensors
 
 
 @METHODS.register("local")

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from privfl.errors import UnknownNameError
-from privfl.methods.layout import compute_layout
-from privfl.methods.shared import own_tensors
+from privfl.fl.layout import compute_layout
+from privfl.fl.shared import own_tensors
 from privfl.seeding import seed_global, torch_generator
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import Client, ClientReply, FLMethod, load_module_tensors, module_tensors
+from privfl.fl.method import Client, ClientReply, FLMethod, load_module_tensors, module_tensors
 from privfl.seeding import seed_global, torch_generator
 
 

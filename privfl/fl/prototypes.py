@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from privfl.capture.message import Message
 from privfl.config import opt
-from privfl.methods.base import METHODS, Client, ClientReply, FLMethod, class_prototypes, present_class_means
-from privfl.methods.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.headserver import GlobalHeadServer, HeadServerOptions
+from privfl.fl.method import METHODS, Client, ClientReply, FLMethod, class_prototypes, present_class_means
 
 
 class TrainingPrototypes:

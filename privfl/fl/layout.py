@@ -9,7 +9,7 @@ inside a convolution differs, so numbers differ from a contiguous run in the las
 training is chaotic, in more), and each layout repeats itself exactly.
 
 A model is converted for the duration of its local training (:meth:`LocalTrainer.fit
-<privfl.methods.trainer.LocalTrainer.fit>`) and of its evaluation (:func:`privfl.engine.client_hits`)
+<privfl.fl.trainer.LocalTrainer.fit>`) and of its evaluation (:func:`privfl.engine.client_hits`)
 and converted back afterwards: everywhere else (messages, capture, checkpoints, aggregation, attacks)
 its tensors are contiguous as before. Converting is a copy of the 4-D weights (a few hundred kB for
 ``cnn4``), small beside one epoch. A model that aliases a shared broadcast (stateless clients) is bound
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from privfl.config import MEMORY_FORMATS
-from privfl.methods.shared import _BOUND, bind_shared
+from privfl.fl.shared import _BOUND, bind_shared
 
 #: module packages whose forwards are layout-agnostic (auto converts models made only of these)
 _KNOWN_PACKAGES = ("torch.", "torchvision.", "privfl.")

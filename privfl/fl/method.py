@@ -6,7 +6,7 @@ messages they exchange. It is training only:
 - every exchange goes through ``env.channel`` (``self.send`` / ``self.channel.broadcast``); a method
   that reads another party's state without a message has a bug. What it sends is declared in
   ``sends`` (kind -> direction) and each message is checked against its kind (:mod:`privfl.kinds`);
-- local training goes through the shared :class:`~privfl.methods.trainer.LocalTrainer` (``self.trainer``),
+- local training goes through the shared :class:`~privfl.fl.trainer.LocalTrainer` (``self.trainer``),
   customised by an objective, parameter groups or a hook, never by copying the seeded loop;
 - what an attacker needs to rebuild a parameter-like message's context (which received message was
   the previous state, which part of the client model the tensors belong to, how it maps images to
@@ -32,11 +32,11 @@ from torch import nn
 
 from privfl.capture.message import Message
 from privfl.errors import ConfigError, PrivflError
+from privfl.fl.layout import compute_layout
+from privfl.fl.parallel import defer_or_run, ordered_map
+from privfl.fl.shared import SharedTensors, bind_shared, own_tensors
+from privfl.fl.trainer import LocalStats, LocalTrainer, batches_per_epoch, with_representation_term
 from privfl.kinds import KINDS, Family, ParamForm, check_sends
-from privfl.methods.layout import compute_layout
-from privfl.methods.parallel import defer_or_run, ordered_map
-from privfl.methods.shared import SharedTensors, bind_shared, own_tensors
-from privfl.methods.trainer import LocalStats, LocalTrainer, batches_per_epoch, with_representation_term
 from privfl.registry import Registry
 from privfl.seeding import seed_global
 
@@ -72,7 +72,7 @@ class DataView:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches over ``idx``; shuffled when a generator is given. The last partial batch is kept
         unless ``drop_last`` (HtFLlib drops it: a client with fewer samples than a batch then trains nothing)
-        or it is smaller than ``min_batch`` (see :func:`~privfl.methods.trainer.batches_per_epoch`)."""
+        or it is smaller than ``min_batch`` (see :func:`~privfl.fl.trainer.batches_per_epoch`)."""
         if generator is not None:
             idx = idx[torch.randperm(len(idx), generator=generator).to(idx.device)]
         end = batch_size * batches_per_epoch(len(idx), batch_size, drop_last, min_batch)
@@ -251,7 +251,7 @@ class FLMethod:
     #: a client keeps nothing between rounds but what the server broadcasts: a :class:`GlobalModelServer`
     #: whose full-model broadcast, at setup and every round, replaces every client's whole model. The
     #: in-process engine then builds client models without initial weights, lets every client alias one
-    #: copy of the broadcast until it trains (:mod:`privfl.methods.shared`), scores ``--eval personal``
+    #: copy of the broadcast until it trains (:mod:`privfl.fl.shared`), scores ``--eval personal``
     #: right after local training instead of keeping a copy, and drops a client's trained weights once it
     #: has sent them: one model in memory instead of one per client. The numbers do not change.
     stateless_clients: ClassVar[bool] = False
@@ -262,7 +262,7 @@ class FLMethod:
     #: a client's :meth:`client_round` (its training, its ``fit``) and :meth:`predict` /
     #: :meth:`predict_personal` touch that client's own state only, write the method's shared attributes
     #: only under the client's own key, and draw randomness only from seeded generators: the in-process
-    #: engine may then run ``--client-workers`` clients at once in threads (:mod:`privfl.methods.parallel`),
+    #: engine may then run ``--client-workers`` clients at once in threads (:mod:`privfl.fl.parallel`),
     #: with the same numbers and capture. Off by default, and not inherited (:meth:`clients_in_parallel`):
     #: each built-in method declares it once ``tests/test_client_workers.py`` shows it gives the same run
     #: with 1 and 2 workers.
@@ -641,7 +641,7 @@ class GlobalModelServer(FLMethod):
     The global model is built from client 0's spec with its own seed (as FedAvg does), so every
     client starts from the same weights once the setup broadcast is loaded. With
     :attr:`~FLMethod.stateless_clients` the broadcast is delivered as one copy that every client model
-    aliases until it trains (:mod:`privfl.methods.shared`).
+    aliases until it trains (:mod:`privfl.fl.shared`).
     """
 
     requires_homogeneous = True

@@ -4,8 +4,8 @@ Why: in a FedAvg-style method every client holds the same broadcast model betwee
 copy per client costs one model per client (2.3 MB for cnn4: 23 GB at 10,000 clients) for values that
 are all equal. Instead, a client model is *bound* to one :class:`SharedTensors` (its parameters and
 buffers become views of the shared tensors), and it takes its own copy only when it is about to change
-(:func:`own_tensors`, called by :meth:`LocalTrainer.fit <privfl.methods.trainer.LocalTrainer.fit>` and
-:func:`privfl.methods.base.load_module_tensors`).
+(:func:`own_tensors`, called by :meth:`LocalTrainer.fit <privfl.fl.trainer.LocalTrainer.fit>` and
+:func:`privfl.fl.method.load_module_tensors`).
 
 Torch has no read-only tensors, so a write that bypasses :func:`own_tensors` (a method editing a bound
 model in place) would change every client's model at once. Each parameter made here shares the
@@ -45,7 +45,7 @@ class SharedTensors:
             if value._version != self._versions[key]:
                 raise PrivflError(
                     f"the broadcast tensor {key!r} that several client models share was modified in place: a method changed a "
-                    "client model without taking its own copy first (call privfl.methods.shared.own_tensors(model) before writing "
+                    "client model without taking its own copy first (call privfl.fl.shared.own_tensors(model) before writing "
                     "to it, or set stateless_clients = False)"
                 )
 

@@ -23,7 +23,7 @@ one client at a time (``tests/test_client_workers.py`` compares 2 workers with 1
   own noise) makes the run stop with one line naming the way out (``--client-workers 1``);
 - each worker computes with ``threads // workers`` torch threads (at least one), restored afterwards.
 
-Only methods that declare :attr:`FLMethod.parallel_clients <privfl.methods.base.FLMethod.parallel_clients>`
+Only methods that declare :attr:`FLMethod.parallel_clients <privfl.fl.method.FLMethod.parallel_clients>`
 run so: their ``client_round`` (on a graph ``gossip_send`` and ``gossip_round``), ``fit`` and ``predict``
 touch their own client only (the contract of a method written in roles, which the Flower engine relies on
 too). A user's method runs one client at a time until it declares it. On a GPU clients run one at a time
