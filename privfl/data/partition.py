@@ -470,7 +470,7 @@ def plot_partition(counts: np.ndarray, path: str | Path, class_names: Sequence[s
 def dominant_share_partition(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, balanced: bool = False, min_samples: int | None = None
 ) -> list[np.ndarray]:
-    """FedFree's non-IID1 as the spec reads it (§3.2): client i holds a dominant class (group) i mod G
+    """FedFree's non-IID1 as privfl reads its Secs. 4.1 and 4.3 (which differ): client i holds a dominant class (group) i mod G
     for 80% of its samples and the next two for 10% each (8:1:1; ``balanced=True`` gives 6:2:2, the
     paper's non-IID2). Classes come in G = min(C, 10) groups (CIFAR-100: groups of 10 classes). Client
     sizes are equal, n = N/num_clients, drawn without replacement; the rotation balances class demand."""

@@ -736,7 +736,7 @@ def present_class_means(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch
 
 
 def global_test_indices(test_sets: list[torch.Tensor], n: int, seed: int) -> torch.Tensor:
-    """DRDFL's Global-T set (spec §3.3, "the union of all clients' local test data"): the sorted union of
+    """DRDFL's Global-T set (its Sec. V-A, "the union of all clients' local test data"): the sorted union of
     the clients' test indices, or a seeded subset of ``n`` of them when ``0 < n`` < the union. One rule
     for the engine's ``--global-test`` and DRDFL's own ``global_test_samples``, so their numbers agree."""
     from privfl.seeding import numpy_rng

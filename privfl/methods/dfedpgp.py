@@ -2,15 +2,15 @@
 "Decentralized Directed Collaboration for Personalized Federated Learning", CVPR 2024, arXiv 2405.17876).
 
 DRDFL's reference [18] and the row "DFedPGP | Output layer | 213.36M" of its Tables I/II
-(specs/drdfl.md sections 3.4 and 4). The arXiv number 2305.15157 sometimes quoted for it is the same
+(DRDFL App. VII-B3, Tables I and II). The arXiv number 2305.15157 sometimes quoted for it is the same
 group's earlier paper (Shi et al., "Towards More Suitable Personalization in Federated Learning via
 Decentralized Partial Model Training", which proposes DFedAlt/DFedSalt); DFedPGP is the CVPR 2024
 follow-up that adds directed, asymmetric links with push-sum de-biasing ("Partial Gradient Push").
 
 Each client i holds a shared part u_i, the body (``features.*`` + ``mapping.*`` of the privfl
 :class:`~privfl.models.split.SplitModel`), and a personal part v_i, the head (``head.*``, DRDFL's
-"Output layer"). The head never leaves the client. One round t (synchronous, as DRDFL's ring, Alg. 1
-of specs/drdfl.md):
+"Output layer"). The head never leaves the client. One round t (synchronous, as DRDFL's ring rounds,
+its Alg. 1):
 
 1. every live node sends its body as it stands after round t-1 to each of its out-neighbours of round t
    (kind ``model``, direction ``peer``; meta ``num_samples``, ``lr``, ``local_steps``, ``previous_round``,

@@ -1,7 +1,7 @@
 """DisPFL: personalised sparse models gossiped on a neighbour graph (Dai, Shen, He, Tian, Tao, "DisPFL:
 Towards Communication-Efficient Personalized Federated Learning via Decentralized Sparse Training",
 ICML 2022, arXiv 2206.00187; official code rong-dai/DisPFL). DRDFL's reference [16] and the row
-"DisPFL | Masked model | 106.65M" of its Tables I/II (specs/drdfl.md sections 3.4 and 4).
+"DisPFL | Masked model | 106.65M" of its Tables I/II (DRDFL App. VII-B3).
 
 Each client k keeps a personalised binary mask m_k over every parameter of its model (initial density
 from Erdos-Renyi-Kernel, ``density`` 0.5 overall) and a model w_k that is zero outside the mask it was

@@ -88,7 +88,7 @@ Decisions (the paper leaves all of this open):
   (:class:`privfl.topology.Graph`); a node without in-neighbours keeps its own g_phi.
 - **Initialisation.** g_phi from one shared seed on every node (``shared_init``, as DRDFL's Learngene);
   E, D and C from each client's own seed.
-- **Optimiser.** Adam, lr 0.001 (DRDFL's stated lr, which the spec reads as Adam), fresh each round, all
+- **Optimiser.** Adam, lr 0.001 (DRDFL's stated lr, read here as Adam's), fresh each round, all
   loss weights 1 (``kl_weight`` 1). ``local_optimizer=run`` uses the run's --optimizer/--lr instead.
 - **Leakage.** An out-neighbour attacking a g_phi message differentiates g_phi (tensors ``prior.*``)
   followed by a random classifier of its own on mu_p (``readout=probe``: it never sees C, E or D). Its

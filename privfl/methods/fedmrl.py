@@ -29,7 +29,7 @@ small model's architecture (the run's options) and the local lr and step count (
 matches the upload as (theta_prev - theta_k) / (lr * steps) against the gradient of CE on the small
 model's *own* output G^hd(G^ex(x)). That is an approximation: the real local loss is the fused one,
 whose gradient reaches G^ex through the private projector P_k and G^hd through R~[:d1], both of which
-the attacker lacks (spec Sec. 6).
+the attacker lacks (docs/methods/fedmrl.md).
 
 Decisions where the paper is open (docs/methods/fedmrl.md has the reasons): uploads weighted by the
 client's train-sample count, normalised over the selected clients; fresh optimizer state for every

@@ -28,7 +28,7 @@ Decisions where the paper is open or the references differ:
 - **Epochs per phase.** The authors' code (lgcollins/FedRep) runs ``local_ep`` = 10 epochs, the last
   ``local_rep_ep`` = 1 of them on the body (so 9 head + 1 body); PFLlib's ``clientrep.py`` runs
   ``plocal_epochs`` (default 1) head epochs, then ``local_epochs`` (default 1) body epochs; DRDFL's
-  Tables I/II run 4 body + 1 head epochs (specs/drdfl.md section 2). Here ``head_epochs`` defaults to 1
+  Tables I/II run 4 body + 1 head epochs (the DRDFL paper's experiment settings). Here ``head_epochs`` defaults to 1
   (PFLlib and DRDFL) and ``body_epochs`` defaults to ``--local-epochs`` (PFLlib's mapping, which also keeps
   the run's ``local_epochs`` equal to the steps behind an upload for gradient-leakage attacks); DRDFL's
   setting is ``--local-epochs 4`` (or ``--body-epochs 4``) with ``--head-epochs 1``.

@@ -38,7 +38,7 @@ Where this differs from RethinkFL, and why:
   travel (FedRE Table 11 counts 257.02e3 up for CIFAR-100, the prototypes alone), so no model is sent.
 - RethinkFL's local prototypes are means of the training-mode features of the last local epoch's
   batches, taken before each optimizer step; here they are computed after local training in eval mode
-  over the whole train split, as for FedProto, FedGH and FedTGP (FedRE spec Sec. 6, item 12).
+  over the whole train split, as for FedProto, FedGH and FedTGP (docs/decisions.md, FedProto).
 - RethinkFL trains with its own SGD (momentum 0.9, weight decay 1e-5, lr 0.01, 10 local epochs); here
   the run's shared optimizer settings apply.
 """
