@@ -32,6 +32,7 @@ lint: .venv/.synced
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	PYTHONPATH=. .venv/bin/lint-imports
 
 # rewrite what the linters can fix themselves (then run `make lint` for what is left)
 format: .venv/.synced
