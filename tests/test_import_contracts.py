@@ -4,7 +4,6 @@ and finds none in privfl (the four it found before are gone: see the layers cont
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
