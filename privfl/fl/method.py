@@ -231,7 +231,29 @@ class ClientReply:
 
 
 class FLMethod:
-    """Base class of every method (star topology)."""
+    """Base class of every method (star topology). Its members, by role (docs/writing-a-method.md):
+
+    **Declarations**, read before anything trains (``check_method_class``, ``audit --check``, the attacks):
+    :attr:`name`, :attr:`paper`, :attr:`sends`, :attr:`exposes`, :attr:`leakage` / :meth:`leakage_context`,
+    :attr:`Options`, :attr:`requires_homogeneous`, :attr:`personal_parts`, :attr:`stateless_clients`,
+    :attr:`streams_uploads`, :attr:`parallel_clients`, :meth:`build_client_model`, :meth:`build_topology`,
+    :meth:`flower_limits`, :meth:`global_test_size`; derived: :meth:`in_roles`, :meth:`gossips`,
+    :meth:`clients_in_parallel`.
+
+    **Server side** (on Flower, the ServerApp): :meth:`setup`, :meth:`server_setup`, :meth:`open_round`,
+    :meth:`plan_round`, :meth:`server_round`, :meth:`request`, :meth:`deliver`, :meth:`client_metrics`,
+    :meth:`server_state` / :meth:`load_server_state`; a method that does not split its round in roles
+    overrides :meth:`run_round` instead and runs in-process only.
+
+    **Client side** (on Flower, each node's ClientApp): :meth:`client_setup`, :meth:`receive`, :meth:`plan`,
+    :meth:`client_round`, :meth:`client_step`, :meth:`gossip_send` / :meth:`gossip_round` (peer methods),
+    :meth:`note`, :meth:`sent`, :meth:`client_state` / :meth:`load_client_state`, :meth:`predict` /
+    :meth:`predict_personal`; the tools a client round uses: :meth:`fit`, :meth:`local_train`,
+    :meth:`make_optimizer`, :meth:`representations`.
+
+    **Both sides**: :meth:`send` (through the run's channel, which captures and checks every message),
+    :attr:`env` (:class:`FLEnv`: clients, data, options, knowledge recorder).
+    """
 
     name: ClassVar[str] = ""
     #: message kinds this method transmits, with their direction ("up", "down", "peer", "up/down")
