@@ -42,4 +42,4 @@ test: setup lint
 	$(PY) -m pytest
 
 bench: setup
-	$(PY) experiments/bench.py
+	$(PY) -m experiments.bench.run_all
