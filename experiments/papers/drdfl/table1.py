@@ -65,7 +65,7 @@ METHOD_OF: dict[str, tuple[str, bool]] = {
     "DisPFL": ("dispfl", True),
     "DRDFL": ("drdfl", True),
 }
-#: per-row options that are the paper's: FedRep's 4 body + 1 head epochs (App. VII-B)
+#: per-row options that are the paper's: FedRep's 4 body + 1 head epochs, as its experiment settings give them
 ROW_OPTIONS: dict[str, dict[str, Any]] = {"FedRep": {"body_epochs": 4, "head_epochs": 1}}
 #: quick only: FedFed's official 15 distillation rounds would leave a 10-round run one round of FedAvg
 #: (measured: 10.9 % global, chance), so the quick table distils for 3 rounds, as FedFed's own quick default scales it
