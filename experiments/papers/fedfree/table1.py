@@ -9,8 +9,8 @@ HmFL (``--homo``): FedAvg (``fedavg``), Per-FedAvg (``perfedavg``), FedProx (``f
 (``pfedla``), FedFree. Baselines take the paper's Table A2 values where privfl has the option:
 FedProto lambda = 10, FedGH / FedTGP server lr 0.01, FedTGP margin 100, FedKD SVD energy 0.95 -> 0.98,
 FedProx mu = 0.01, Per-FedAvg beta = 0.01, pFedLA hypernetwork lr 0.005
-(Table A2 calls FedKD's [0.95, 0.98] a temperature; the values are the SVD energy thresholds of FedKD
-as PFLlib and HtFLlib implement it, and FedTGP's 100 is its margin). Every row trains on the same
+(Table A2 calls FedKD's [0.95, 0.98] a temperature; they are read here as the SVD energy thresholds of
+FedKD as PFLlib and HtFLlib implement it, and FedTGP's 100 as its margin). Every row trains on the same
 partition and seeds (``experiments/papers/tables.py`` says what is reported and how a cut table resumes); a row
 whose method is not registered stops the script before training, naming it (exit 2), unless
 ``--skip-missing``. Under the table: FedFree's relative gain over the best other row, the figure the
