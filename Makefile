@@ -43,4 +43,4 @@ test: setup lint
 	$(PY) -m pytest
 
 bench: setup
-	$(PY) experiments/bench.py
+	$(PY) -m experiments.bench.run_all

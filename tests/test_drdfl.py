@@ -200,7 +200,7 @@ def test_ring_refuses_partial_participation(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ configs
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "drdfl").glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "papers" / "drdfl").glob("*.toml")), ids=lambda p: p.stem)
 def test_paper_configs_are_valid(path):
     from privfl.config import build_config, read_config_file
     from privfl.models import assign_archs

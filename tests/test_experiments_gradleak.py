@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.papers.drdfl import fig9_gradleak, fig9_learngene
+from experiments.privacy import defense_table
+
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_fig9_script_writes_table_and_gallery(tmp_path):
-    fig9 = _load(ROOT / "experiments" / "fig9_gradleak.py")
-    assert fig9.main(["--datasets", "cifar10", "--images", "1", "--steps", "2", "--variances", "1e-2", "--no-drdfl", "--out", str(tmp_path)]) == 0
+    assert (
+        fig9_gradleak.main(["--datasets", "cifar10", "--images", "1", "--steps", "2", "--variances", "1e-2", "--no-drdfl", "--out", str(tmp_path)])
+        == 0
+    )
     rows = list(csv.DictReader((tmp_path / "table.csv").open()))
     assert [r["system"] for r in rows] == ["FedNova", "FedNova+noise s2=0.01"]
     for r in rows:
@@ -40,21 +35,19 @@ def test_fig9_noise_reaches_the_attacker_at_the_gradient_scale():
     from defenses import build_defenses
     from privfl.channel import Channel
 
-    fig9 = _load(ROOT / "experiments" / "fig9_gradleak.py")
     lr, s = 0.01, 0.1
-    model = fig9.build_victim("lenet", 100, 0)
+    model = fig9_gradleak.build_victim("lenet", 100, 0)
     x, y = torch.rand(1, 3, 32, 32), torch.tensor([3])
-    clean = fig9.fednova_update(model, x, y, lr, Channel(None, None, mods=[]), "client0")
-    noisy = fig9.fednova_update(model, x, y, lr, Channel(None, None, mods=build_defenses([f"gaussian:sigma={lr * s}"])), "client0")
+    clean = fig9_gradleak.fednova_update(model, x, y, lr, Channel(None, None, mods=[]), "client0")
+    noisy = fig9_gradleak.fednova_update(model, x, y, lr, Channel(None, None, mods=build_defenses([f"gaussian:sigma={lr * s}"])), "client0")
     diff = torch.cat([(noisy.tensors[k] - clean.tensors[k]).flatten() / lr for k in clean.tensors])
     assert diff.std().item() == pytest.approx(s, rel=0.05)
 
 
 @pytest.mark.skipif(not FMNIST.exists(), reason="apt-get install dataset-fashion-mnist")
 def test_defense_table_script(tmp_path):
-    table = _load(ROOT / "experiments" / "defense_table.py")
     assert (
-        table.main(
+        defense_table.main(
             [
                 "--defenses",
                 "none;dp:max_norm=1.0,noise_multiplier=1.0",
@@ -92,11 +85,10 @@ def test_fig9_learngene_one_step_protocol():
     from attacks.images import packaged_images
     from privfl.methods.drdfl import DRDFL
 
-    learngene = _load(ROOT / "experiments" / "drdfl" / "fig9_learngene.py")
-    req = learngene._request(10, 0, 8)
-    probe = learngene.attacker_probe(req, torch.zeros(2, 3, 32, 32), seed=1)
+    req = fig9_learngene._request(10, 0, 8)
+    probe = fig9_learngene.attacker_probe(req, torch.zeros(2, 3, 32, 32), seed=1)
     sent = probe.to_module_names(DRDFL.learngene_tensors(DRDFL.build_client_model(req)))
     assert sent and set(sent) <= {n for n, _ in probe.named_parameters()}
     images, labels = packaged_images("cifar10", 1)
-    [(row, rec)] = list(learngene.attack_learngene("cifar10", images, labels, steps=1, seed=0, width=8))
+    [(row, rec)] = list(fig9_learngene.attack_learngene("cifar10", images, labels, steps=1, seed=0, width=8))
     assert row["system"] == "DRDFL Learngene" and rec.shape == (3, 32, 32) and -100 < row["psnr"] < 100

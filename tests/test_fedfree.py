@@ -165,7 +165,7 @@ def test_model_group_and_paper_parameter_counts():
     assert count_parameters(build_model("fedfree-cnn", in_channels=3, num_classes=10, image_size=32, rep_dim=128)) == 3_265_610
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "fedfree").glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "papers" / "fedfree").glob("*.toml")), ids=lambda p: p.stem)
 def test_paper_configs_are_valid(path):
     from privfl.config import build_config, read_config_file
 

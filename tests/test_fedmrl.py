@@ -19,7 +19,7 @@ from privfl.models import assign_archs, count_parameters
 from privfl.models.fedmrl_zoo import MRLConvNet, small_model
 from tests.test_train import FMNIST, ROOT, metrics, needs_fmnist, train
 
-CONFIGS = sorted((ROOT / "experiments" / "fedmrl").glob("*.toml"))
+CONFIGS = sorted((ROOT / "experiments" / "papers" / "fedmrl").glob("*.toml"))
 
 
 def request(

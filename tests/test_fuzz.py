@@ -6,36 +6,23 @@ attack and analysis commands open (AttackerView, RunModels). ``verify_run`` must
 the example (per-input alarm), as does an invalid object or a multi-line message.
 
 The inputs are hypothesis-driven mutations of a small intact run built directly (no training, no dataset; it
-passes ``verify_run``): the same readers and mutations as ``experiments/fuzz_readers.py``, which runs them at
+passes ``verify_run``): the same readers and mutations as ``experiments/robustness/fuzz_readers.py``, which runs them at
 scale. Deterministic (``derandomize=True``); about 30-60 s on two cores.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.robustness import fuzz_readers as fz
+
 INPUT_TIMEOUT = 10.0  # seconds one input may take (readers answer in milliseconds; a loaded CI machine is slow)
 
-
-def _load_fuzzer() -> Any:
-    spec = importlib.util.spec_from_file_location("fuzz_readers", ROOT / "experiments" / "fuzz_readers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-fz = _load_fuzzer()
 
 #: examples per reader, sized so that the module runs in about a minute (verify_run reads the whole run)
 EXAMPLES = {

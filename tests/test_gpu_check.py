@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py off the GPU: its CIFAR-10-shaped data is what privfl's CIFAR-10 loader reads,
+"""experiments/bench/gpu_check.py off the GPU: its CIFAR-10-shaped data is what privfl's CIFAR-10 loader reads,
 and the script runs its parts (and reports a failed one) on the CPU, where both pairs of its determinism
 part agree to the bit."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.gpu_check import main, report, write_cifar10_shaped
+from experiments.bench.gpu_check import main, report, write_cifar10_shaped
 from privfl.data import load_dataset
 from tests.conftest import FMNIST
 

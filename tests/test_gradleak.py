@@ -1,7 +1,7 @@
 """Gradient leakage on a real CIFAR-10 test image through DLG's sigmoid LeNet (batch 1).
 
 The default suite uses fewer L-BFGS steps than DLG's 300 and a looser bar; the full setting is in
-experiments/bench_dlg.py.
+experiments/bench/dlg.py.
 """
 
 from __future__ import annotations

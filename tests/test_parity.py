@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -374,7 +375,11 @@ def test_pfllib_launcher_runs_main_py_reports_client_0s_model_and_the_results(tm
     log = tmp_path / "work" / "fedavg.log"
     cmd = [sys.executable, str(PARITY / "pfllib_launch.py"), "--system", str(system), "--threads", "1", "--result", str(tmp_path / "r.json")]
     cmd += ["--", "-data", "FashionMNIST_privfl_s0", "-algo", "FedAvg", "-go", "parity"]
-    env = {**__import__("os").environ, "PYTHONPATH": pythonpath(fake), "OMP_NUM_THREADS": "4"}
+    # main.py imports flcore from system/, which must come first on PYTHONPATH (run_parity.py puts it there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(system), pythonpath(fake)]), "OMP_NUM_THREADS": "4"}
+    without = {**env, "PYTHONPATH": pythonpath(fake)}
+    done = subprocess.run(cmd, cwd=cwd, env=without, capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "first on PYTHONPATH" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     with open(log, "w") as fh:
         assert subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode == 0, log.read_text()
     text = log.read_text()
@@ -536,7 +541,7 @@ def test_launcher_completes_the_authors_fedre_and_keeps_the_thread_count(tmp_pat
     fake = _fake_h5py(tmp_path / "fake")
     cwd = tmp_path / "work" / "cwd"
     cwd.mkdir(parents=True)
-    env = {**__import__("os").environ, "PYTHONPATH": pythonpath(fake)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(system), pythonpath(fake)])}
 
     def launch(*extra: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(PARITY / "htfllib_launch.py"), "--system", str(system), "--threads", "2", "--model", "Net()", *extra]

@@ -1,4 +1,4 @@
-"""The paper-table helper (experiments/tables.py), the table scripts and the FedRE toy (experiments/fedre/toy2d.py).
+"""The paper-table helper (experiments/papers/tables.py), the table scripts and the FedRE toy (experiments/papers/fedre/toy2d.py).
 
 Tiny runs: the toy2d dataset (500 generated 2-D points, two MLP clients) and, for the FedRE script, a
 300-sample Fashion-MNIST subset with 3 clients and one round.
@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from experiments import tables
-from experiments.fedre import table1 as fedre_table1
-from experiments.fedre import toy2d
+from experiments.papers import tables
+from experiments.papers.fedre import table1 as fedre_table1
+from experiments.papers.fedre import toy2d
 from privfl.cli import ArgumentParser, run_cli
 from privfl.errors import ConfigError
 
@@ -153,7 +153,7 @@ def test_toy_split_is_300_200_and_follows_the_seed():
 
 
 def test_drdfl_table_reports_local_t_global_t_and_total_comm(tmp_path, fmnist):
-    from experiments.drdfl import table1 as drdfl_table1
+    from experiments.papers.drdfl import table1 as drdfl_table1
 
     table = drdfl_table1.build(drdfl_table1.parser().parse_args([]))
     rows = {r.label: r for r in table.rows}
@@ -182,7 +182,7 @@ def test_drdfl_table_reports_local_t_global_t_and_total_comm(tmp_path, fmnist):
 
 
 def test_new_clients_script_compares_drdfl_with_dispfl_and_never_overwrites(tmp_path, fmnist, capsys):
-    from experiments.drdfl import new_clients
+    from experiments.papers.drdfl import new_clients
 
     out = tmp_path / "nc"
     argv = ["--old", "2", "--new", "1", "--stage1", "1", "--stage2", "1", "--subsample", "400", "--out", str(out)]

@@ -278,7 +278,7 @@ def test_capture_cli_verify_detects_flipped_byte(tmp_path, capsys):
     assert code == 2 and "ent_rep" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "fedre").glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "papers" / "fedre").glob("*.toml")), ids=lambda p: p.stem)
 def test_paper_configs_are_valid(path):
     from privfl.config import build_config, read_config_file
     from privfl.models import assign_archs

@@ -20,8 +20,8 @@ alpha, batch_size``). This script writes exactly that, for exactly privfl's part
 Usage (``--out`` is the dataset folder, i.e. ``<HtFLlib>/dataset/<NAME>`` or any folder that HtFLlib's
 working directory reaches as ``../dataset/<NAME>``)::
 
-    python experiments/parity/export_htfllib.py --run runs/fedavg-parity --out /tmp/work/dataset/fmnist_privfl
-    python experiments/parity/export_htfllib.py --out /tmp/work/dataset/fmnist_privfl \\
+    python -m experiments.parity.export_htfllib --run runs/fedavg-parity --out /tmp/work/dataset/fmnist_privfl
+    python -m experiments.parity.export_htfllib --out /tmp/work/dataset/fmnist_privfl \\
         --dataset fashionmnist --subsample 3000 --num-clients 10 --partition dir --alpha 0.1 --seed 0
 
 The second form takes ``privfl.train``'s options (a METHOD and ``--config`` too) and draws the partition
@@ -245,7 +245,7 @@ def read_htfllib_client(folder: str | Path, k: int, split: str) -> dict[str, np.
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(
-        prog="export_htfllib.py",
+        prog="python -m experiments.parity.export_htfllib",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli(argv: Sequence[str] | None = None) -> int:
     """:func:`main` with privfl's error handling: bad input is one line on stderr and exit status 2."""
-    return run_cli("export_htfllib.py", lambda: main(argv))
+    return run_cli("experiments.parity.export_htfllib", lambda: main(argv))
 
 
 __all__ = ["Export", "PrivflError", "check_out", "cli", "from_run", "from_train_args", "main", "read_htfllib_client", "write"]

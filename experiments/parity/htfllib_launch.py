@@ -1,6 +1,12 @@
 """Run HtFLlib's unchanged ``system/main.py`` in this process, as ``run_parity.py``'s subprocess.
 
-    python htfllib_launch.py --system HTFLLIB/system [--model EXPR]... [--threads 1] [--result FILE] -- MAIN.PY ARGS
+    PYTHONPATH=HTFLLIB/system python experiments/parity/htfllib_launch.py --system HTFLLIB/system \\
+        [--model EXPR]... [--threads 1] [--result FILE] -- MAIN.PY ARGS
+
+It runs under HtFLlib's Python, which need not have privfl, so it is started by its path, not with
+``python -m``. ``main.py`` imports HtFLlib's packages (``flcore``, ``utils``) by their top-level names:
+``system/`` must come first on ``PYTHONPATH`` (``run_parity.py`` puts it there; the launcher checks and
+refuses otherwise, exit status 2).
 
 What this adds around ``main.py`` (which is executed as ``__main__`` with ``runpy``, from HtFLlib's own
 files; nothing of HtFLlib is copied or edited):
@@ -28,7 +34,8 @@ files; nothing of HtFLlib is copied or edited):
   Its server's round trains the clients, uploads one entangled representation each and trains the global
   head, but it never sends the head back to the clients, never evaluates and never saves results, so its
   ``train()`` fails at the end on ``max([])`` and ``main.py``'s ``average_data`` finds no results file
-  (``../shared/specs/anchors.md`` §4). The flag wraps two of its methods at run time, as HtFLlib's other
+  (as read at the repository's commit b9b1e9c: ``serverre.py`` calls neither ``send_parameters`` nor
+  ``evaluate``). The flag wraps two of its methods at run time, as HtFLlib's other
   servers (FedGH's ``train``) do each round: after ``select_clients``, ``send_parameters()`` (every
   client loads the server's head, the base class's method) and, every ``-eg`` rounds, ``evaluate()``,
   both inside the round's timed span as in FedGH; after ``train()``, ``save_results()``. Nothing else of
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -91,10 +99,21 @@ def stub_optional_servers() -> list[str]:
     return stubbed
 
 
+def importable_from(system: Path) -> bool:
+    """Whether ``flcore`` (the package ``main.py`` imports first) resolves to ``system/flcore``, i.e. whether
+    ``system`` is ahead of any other ``flcore`` on the import path (``PYTHONPATH``)."""
+    try:
+        spec = importlib.util.find_spec("flcore")
+    except (ImportError, ValueError):
+        return False
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(Path(place).resolve() == system / "flcore" for place in places)
+
+
 def describe_model(args: argparse.Namespace) -> dict[str, Any]:
     """Client 0's model as HtFLlib builds it: parameter names and shapes (on a forked RNG)."""
     import torch
-    from flcore.trainmodel.models import BaseHeadSplit  # type: ignore[import-not-found]  # HtFLlib's, on sys.path at run time
+    from flcore.trainmodel.models import BaseHeadSplit  # type: ignore[import-not-found]  # HtFLlib's, on PYTHONPATH at run time
 
     with torch.random.fork_rng():
         model = BaseHeadSplit(args, 0)
@@ -199,8 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # see the module docstring
     import torch
 
+    if not importable_from(system):
+        print(f"htfllib_launch.py: error: put {system} first on PYTHONPATH (main.py imports flcore and utils from there)", file=sys.stderr)
+        return 2
     keep_thread_count(ns.threads)
-    sys.path.insert(0, str(system))
     stubbed = stub_optional_servers()
     if stubbed:
         print(f"PARITY-STUBBED {json.dumps(stubbed)}", flush=True)

@@ -1,6 +1,10 @@
 """Run PFLlib's unchanged ``system/main.py`` in this process, as ``run_parity.py --reference pfllib``'s subprocess.
 
-    python pfllib_launch.py --system PFLLIB/system [--threads 1] [--result FILE] -- MAIN.PY ARGS
+    PYTHONPATH=PFLLIB/system python experiments/parity/pfllib_launch.py --system PFLLIB/system \\
+        [--threads 1] [--result FILE] -- MAIN.PY ARGS
+
+Started by its path under PFLlib's Python (which need not have privfl), with ``system/`` first on
+``PYTHONPATH`` (``run_parity.py`` puts it there; otherwise the launcher refuses with exit status 2).
 
 ``main.py`` is executed as ``__main__`` with ``runpy``, from PFLlib's own files (nothing of PFLlib is
 copied or edited). What this adds around it:
@@ -48,7 +52,7 @@ OPTIONAL_SERVERS = {"flcore.servers.serverpac": "FedPAC"}
 
 
 def _sibling(name: str) -> Any:
-    """A module beside this file, loaded by path (this script's folder need not be on sys.path)."""
+    """A module beside this file, loaded by its path (this launcher is run by path, not as a package module)."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
@@ -126,8 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # see the module docstring
     import torch
 
+    if not _sibling("htfllib_launch").importable_from(system):
+        print(f"pfllib_launch.py: error: put {system} first on PYTHONPATH (main.py imports flcore and utils from there)", file=sys.stderr)
+        return 2
     torch.set_num_threads(ns.threads)
-    sys.path.insert(0, str(system))
     stubbed = stub_optional_servers()
     if stubbed:
         print(f"PARITY-STUBBED {json.dumps(stubbed)}", flush=True)

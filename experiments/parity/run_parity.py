@@ -81,10 +81,10 @@ code, a ``Source`` in the map) are trained on privfl's side only. Outputs under
 method). The reference side's columns and JSON keys are ``htfllib_*`` for either library (``reference``
 names it), so older tables still render; ``--render`` merges tables of one setting and one reference::
 
-    python experiments/parity/run_parity.py --htfllib PATH/TO/HtFLlib --methods local,fedavg,fedproto,fedgh,fedre
-    python experiments/parity/run_parity.py --htfllib PATH --methods fedproto --set fedproto.lamda=10 --rounds 5
-    python experiments/parity/run_parity.py --render runs/parity/table.json,runs/parity-s12/table.json --out runs/parity-all
-    python experiments/parity/run_parity.py --reference pfllib --pfllib PATH/TO/PFLlib --pfllib-pythonpath DEPS \
+    python -m experiments.parity.run_parity --htfllib PATH/TO/HtFLlib --methods local,fedavg,fedproto,fedgh,fedre
+    python -m experiments.parity.run_parity --htfllib PATH --methods fedproto --set fedproto.lamda=10 --rounds 5
+    python -m experiments.parity.run_parity --render runs/parity/table.json,runs/parity-s12/table.json --out runs/parity-all
+    python -m experiments.parity.run_parity --reference pfllib --pfllib PATH/TO/PFLlib --pfllib-pythonpath DEPS \\
         --methods fedavg,fedprox,perfedavg,fedrep,fedbn,fedala,fedavgdbe --out runs/parity-pfllib
 
 ``PATH/TO/HtFLlib`` (``PATH/TO/PFLlib``) is a clone (the folder holding ``system/``). Either needs torch,
@@ -837,7 +837,9 @@ def partition_digest(run_dir: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = ArgumentParser(prog="run_parity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = ArgumentParser(
+        prog="python -m experiments.parity.run_parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--methods", default="local,fedavg,fedproto,fedgh,fedre", help="comma list of privfl method names")
     p.add_argument("--seeds", default="0", help="comma list of seeds (each: its own partition, both sides)")
     p.add_argument(
@@ -1115,7 +1117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["htfllib_cmd"] = cmd
             print(f"[seed {seed}] {ref.name} {parity.algo} ...", flush=True)
             log = work / f"{method}.log"
-            rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=ref_env)
+            # main.py imports the library's packages (flcore, utils) by their top-level names
+            launch_env = {**ref_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(method_root / "system"), ref_env.get("PYTHONPATH")]))}
+            rc, wall = run_logged(cmd, log, cwd=work / "cwd", env=launch_env)
             if rc != 0:
                 row["htfllib_error"] = tail(log)
                 row["htfllib_partial_acc"] = printed_accuracies(log)  # what it evaluated before it stopped (round 0 first)
@@ -1145,4 +1149,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli("run_parity.py", main))
+    sys.exit(run_cli("experiments.parity.run_parity", main))
