@@ -1,6 +1,6 @@
 """Clients trained at once in threads (``--client-workers``) against one at a time, on the parity setting.
 
-Why privfl trains several clients at once on a CPU (``privfl/methods/parallel.py``): one client's step is
+Why privfl trains several clients at once on a CPU (``privfl/fl/parallel.py``): one client's step is
 too small for torch's intra-op threads to split well, while clients are independent. This trains each
 method of ``--methods`` on the parity setting (Fashion-MNIST 3,000 samples, 10 clients, Dir(0.1),
 ``homo-cnn4``, batch 10, lr 0.01, HtFLlib's data order, ``--eval both``), in this process, one

@@ -22,8 +22,8 @@ from typing import Any
 
 from experiments.bench.lib import record
 from privfl.config import build_config
-from privfl.engine import train
 from privfl.methods import resolve_method
+from privfl.train import train_config as train
 
 MODEL_GROUP = {"fedavg": "homo-cnn4"}
 

@@ -1,6 +1,6 @@
 """Channels-last vs contiguous (NCHW): a training step and an evaluation forward of privfl's models, side by side.
 
-Why privfl computes in channels-last on a CPU (``--memory-format auto``, ``privfl/methods/layout.py``):
+Why privfl computes in channels-last on a CPU (``--memory-format auto``, ``privfl/fl/layout.py``):
 this prints, per model, the time of one SGD step at two batch sizes and one evaluation forward, each
 the fastest of ``--repeats`` interleaved measurements (contiguous, channels-last, contiguous, ...) of
 identical copies of one initialisation, and the ratio channels-last / contiguous. It also times max

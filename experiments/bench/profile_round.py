@@ -17,7 +17,7 @@ on the same setting, e.g. from ``experiments/parity/run_parity.py``), it prints 
 the lowest ratio any implementation of the same computation could reach, floor / S.
 
 Each ``--memory-formats`` value (default: ``contiguous``, then ``channels_last``) is profiled in turn in
-this process, and the ratio of their walls per round is printed last (``privfl/methods/layout.py``
+this process, and the ratio of their walls per round is printed last (``privfl/fl/layout.py``
 says why channels-last is faster on a CPU).
 
     python -m experiments.bench.profile_round                                   # FedAvg, parity setting
@@ -43,9 +43,9 @@ import torch.nn.functional as F
 import privfl
 from experiments.bench.lib import PARITY_TRAIN, RoundClock, record
 from privfl.engine import Trainer
-from privfl.methods.base import DataView
-from privfl.methods.layout import MEMORY_FORMATS, wants_channels_last
-from privfl.methods.trainer import LocalTrainer
+from privfl.fl.layout import MEMORY_FORMATS, wants_channels_last
+from privfl.fl.method import DataView
+from privfl.fl.trainer import LocalTrainer
 
 SECONDS: dict[str, float] = defaultdict(float)
 STEPS: dict[str, int] = defaultdict(int)

@@ -2,7 +2,7 @@
 
 A :class:`Table` is a list of :class:`Row` s (the paper's row label, the privfl method, its options and
 the paper's own numbers) and one base configuration. :func:`run_table` trains every row on every seed
-of the table, one run after the other in this process (``privfl.engine.train``), so every row of a
+of the table, one run after the other in this process (``privfl.train.train_config``), so every row of a
 seed sees the same data, partition and client split (they are drawn from the seed). It then reports
 per row, as mean ± std over the seeds (population std, ``np.std`` as PFLlib prints it):
 
@@ -21,7 +21,7 @@ printed, and written under ``--out`` as ``table.json`` (protocol, per-seed value
 
 Runs live in ``OUT/runs/<row>-s<seed>`` and the table is resumable: a run folder with ``summary.json``
 is read, not trained again (the progress line says so); one that has a ``config.json`` but no summary
-(killed mid-run) is continued with ``privfl.engine.resume`` from its last complete round. A folder
+(killed mid-run) is continued with ``privfl.train.resume`` from its last complete round. A folder
 trained with other settings is refused (one line naming the settings that differ), never mixed in.
 
 A row whose method is not registered (``privfl.methods.METHODS``) stops the table before any training
@@ -236,7 +236,7 @@ def _differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[st
 
 def train_or_read(values: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """(summary, status): read a finished run, continue a killed one, or train it; status says which."""
-    from privfl import engine
+    import privfl.train as training
     from privfl.methods import resolve_method
     from privfl.run import Run
 
@@ -250,10 +250,10 @@ def train_or_read(values: dict[str, Any]) -> tuple[dict[str, Any], str]:
         if (run_dir / "summary.json").is_file():
             return Run(run_dir).summary, "read"
         resumed = build_config({**saved, "device": cfg.device, "progress": False}, getattr(resolve_method(saved["method"]), "Options", None))
-        return engine.resume(run_dir, resumed).summary, "resumed"
+        return training.resume(run_dir, resumed).summary, "resumed"
     if run_dir.exists():
         raise TableError(f"{run_dir} exists but holds no run (no config.json): delete it to train this row again")
-    return engine.train(cfg).summary, "trained"
+    return training.train_config(cfg).summary, "trained"
 
 
 def record_of(summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import attacks
 from privfl.config import build_config
-from privfl.engine import train
 from privfl.methods import resolve_method
 from privfl.run import Run
+from privfl.train import train_config as train
 
 DEFAULT_DEFENSES = ";".join(
     [

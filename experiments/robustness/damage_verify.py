@@ -1228,8 +1228,9 @@ def child_kill_main(config_path: str) -> int:
     import torch
 
     from privfl.config import build_config
-    from privfl.engine import TrainCallback, train
+    from privfl.engine import TrainCallback
     from privfl.methods import resolve_method
+    from privfl.train import train_config as train
 
     torch.set_num_threads(1)
     values = json.loads(Path(config_path).read_text())

@@ -92,8 +92,8 @@ def build_base_run(run_dir: Path) -> Path:
     from privfl.data.datasets import FASHION_MNIST_CLASSES
     from privfl.data.partition import split_train_test
     from privfl.engine import knowledge_rounds_text, metrics_csv_text, summary_accuracies
+    from privfl.fl.method import EXPOSURES
     from privfl.methods import resolve_method
-    from privfl.methods.base import EXPOSURES
 
     run_dir.mkdir(parents=True)
     cls = resolve_method("fedre")

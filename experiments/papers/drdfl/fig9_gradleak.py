@@ -55,7 +55,7 @@ from attacks.victims import SigmoidLeNet
 from defenses import build_defenses
 from privfl.capture.message import Message
 from privfl.channel import Channel
-from privfl.methods.base import module_tensors
+from privfl.fl.method import module_tensors
 from privfl.methods.fednova import normalizer
 from privfl.seeding import derive_seed
 

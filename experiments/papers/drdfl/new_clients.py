@@ -37,9 +37,9 @@ from typing import Any
 
 from privfl.cli import ArgumentParser, run_cli
 from privfl.config import build_config, read_config_file
-from privfl.engine import train
 from privfl.errors import ConfigError
 from privfl.methods import METHODS
+from privfl.train import train_config as train
 
 PAPER_CONFIG = Path(__file__).with_name("cifar10_shard4.toml")
 #: row label -> (method, its options for this experiment)

@@ -30,7 +30,7 @@ given. Our reading (``privfl/data/toy.py`` has the details):
   (FedRE's are the paper's: lr 0.01, batch 10, one epoch, summed soft-label CE; FedAllRep and FedGH
   share them with a mean hard-label CE).
 
-Every method runs through the engine (``privfl.engine.train``, via ``experiments/papers/tables.py``, so the
+Every method runs through the engine (``privfl.train.train_config``, via ``experiments/papers/tables.py``, so the
 runs resume and the same table files are written), seeds 0-4 by default, each on its own partition
 draw and initialisation. Reported: accuracy (%) under both protocols, mean ± std over seeds, beside
 the paper's numbers (``OUT/table.md``, ``table.csv``, ``table.json``, and ``OUT/toy2d.json``: the
