@@ -1,4 +1,5 @@
-"""Shared fixtures: the real dataset the suite trains on, and the kill-and-resume check written once.
+"""Fixtures for the whole suite: the real dataset it trains on, and the kill-and-resume check written once.
+Plain helpers are in tests/helpers.py; fixtures that only one folder uses are in that folder's conftest.py.
 
 The suite runs on every core with pytest-xdist (``-n auto --dist loadfile``: one test file per worker,
 so a module's fixtures are built once). Each worker, and every subprocess a test starts, uses one
@@ -7,7 +8,6 @@ torch thread: workers sharing the cores with several threads each slow each othe
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import FMNIST, ROOT, metrics_without_time, pythonpath, read_metrics
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,19 +44,6 @@ def _deterministic_gpu() -> None:
 
 
 _deterministic_gpu()
-ROOT = Path(__file__).resolve().parents[1]
-FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-
-
-def pythonpath(first: Path = ROOT) -> str:
-    """PYTHONPATH for a test's subprocess: ``first`` (the checkout) ahead of the caller's own entries, so
-    dependencies installed through PYTHONPATH (``pip install --target DIR``, as on a lent GPU machine) stay
-    importable there."""
-    return os.pathsep.join([str(first), *filter(None, [os.environ.get("PYTHONPATH")])])
-
-
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture
@@ -71,7 +60,7 @@ def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[d
     the end; train it again stopped right after message ``kill_after`` of round ``kill_round``; resume the
     stopped run with ``--resume``; assert identical metrics and identical capture, knowledge and truth
     stores. Returns the capture records. ``real_kill``: every part in its own one-thread process and the
-    stop an ``os._exit(137)`` (no cleanup, as SIGKILL), as tests/test_train.py checks once; otherwise the
+    stop an ``os._exit(137)`` (no cleanup, as SIGKILL), as tests/engine/test_resume.py checks once; otherwise the
     three parts run in this (one-thread) process and the stop is an exception at the same point, which
     costs no torch imports. Either way all parts compute on one thread, so float reductions agree bit for bit."""
     from privfl.capture import TensorStore
@@ -108,10 +97,7 @@ def assert_resumes_exactly(tmp_path: Path, fmnist: Path) -> Callable[..., list[d
         report = verify_run(killed)
         assert report.ok, report.lines()
 
-        def strip(rows: list[dict]) -> list[dict]:
-            return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
-
-        assert strip(read_metrics(full)) == strip(read_metrics(killed))
+        assert metrics_without_time(full) == metrics_without_time(killed)
         for store in ("capture", "knowledge", "truth"):
             a = TensorStore(full / store, store).records()
             assert a == TensorStore(killed / store, store).records(), store
