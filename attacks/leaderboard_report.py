@@ -1,4 +1,4 @@
-"""The leaderboard's outputs: ``leaderboard.json`` (schema ``privfl-leaderboard/1``), ``leaderboard.csv``
+"""The leaderboard's outputs: ``leaderboard.json`` (schema ``privfl-leaderboard/1``), ``leaderboard.md``, ``leaderboard.csv``
 (one row per method and defense), ``leaderboard_cells.csv`` (one row per seed), a sortable self-contained
 ``leaderboard.html`` and the privacy-utility frontier ``frontier.png``.
 
@@ -544,6 +544,41 @@ def write_cells_csv(path: Path, results: list[CellResult]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def render_markdown(table: dict[str, Any]) -> str:
+    """The table as Markdown (for a README, a paper's appendix or docs/leaderboard.md): one row per method,
+    each leakage cell with its interval, rank, verdict count, strongest attack and SoK class."""
+
+    def stat(s: dict[str, Any] | None, fmt: str) -> str:
+        if s is None:
+            return "–"
+        text = f"{s['mean']:{fmt}}" + (f" [{s['low']:{fmt}}, {s['high']:{fmt}}]" if s.get("low") is not None else "")
+        return text + (f" #{s['rank']}" if s.get("rank") is not None else "")
+
+    def family(r: dict[str, Any], name: str) -> str:
+        f = r["families"].get(name)
+        if not f:
+            return ""
+        v = f["verdict"]
+        word = "**leaks**" if v["leaks_seeds"] else "no evidence"
+        return f"; {word} {v['leaks_seeds']}/{len(r['seeds'])}, {', '.join(f['attacks'])}, SoK {', '.join(f['sok'])}"
+
+    lines = [
+        "| method | model group | acc. global (%) | acc. personal (%) | up / round | images: PSNR gain over the prior (dB) "
+        "| labels: recall / L1 | membership: AUC | TPR at 1 % FPR |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table["rows"]:
+        c = r["cells"]
+        sends = "" if r["sends"] else " (sends nothing)"
+        lines.append(
+            f"| {r['label']}{sends} | {', '.join(r['model_group'])} | {stat(c.get('acc_global'), '.2f')} | {stat(c.get('acc_personal'), '.2f')} "
+            f"| {_bytes(r.get('upload_bytes'))} | {stat(c.get('reconstruction'), '+.2f')}{family(r, 'reconstruction')} "
+            f"| {stat(c.get('label_recall'), '.2f')} / {stat(c.get('label_l1'), '.2f')}{family(r, 'labels')} "
+            f"| {stat(c.get('membership'), '.3f')}{family(r, 'membership')} | {stat(c.get('membership_tpr'), '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------ the whole
 def write_leaderboard(
     out: Path,
@@ -610,6 +645,7 @@ def write_leaderboard(
     csv_path = out / "leaderboard.csv"
     write_csv(csv_path, rows)
     write_cells_csv(out / "leaderboard_cells.csv", results)
+    atomic_write_text(out / "leaderboard.md", render_markdown(table))
     html_path = out / "leaderboard.html"
     atomic_write_text(html_path, render_html(table, figure))
     return table, (html_path, json_path, csv_path, figure)

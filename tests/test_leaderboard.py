@@ -84,7 +84,7 @@ def test_every_method_is_trained_on_one_partition_and_the_outputs_are_written(bo
     assert rows["fedproto"]["families"]["labels"]["verdict"]["leaks_seeds"] == 2 and "labels" in rows["fedproto"]["leaks"]
     for fam in rows["fedavg"]["families"].values():  # every family names its attacks and the SoK class of their threat model
         assert fam["attacks"] and fam["sok"] and fam["verdict"]["text"]
-    for name in ("leaderboard.html", "leaderboard.json", "leaderboard.csv", "leaderboard_cells.csv", "frontier.png"):
+    for name in ("leaderboard.html", "leaderboard.json", "leaderboard.md", "leaderboard.csv", "leaderboard_cells.csv", "frontier.png"):
         assert (board.folder / name).is_file(), name
     assert json.loads(board.json.read_text())["schema"] == "privfl-leaderboard/1"
     lines = board.csv.read_text().splitlines()
