@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,17 +186,19 @@ def test_the_frontier_draws_defended_variants_fedavg_and_the_method_that_sends_n
 
 def test_intervals_over_seeds_and_within_one_seed():
     one = combine([(1.0, 0.4, 1.6)])
-    assert one["mean"] == 1.0 and (one["low"], one["high"]) == (0.4, 1.6) and one["interval"] == "bootstrap within the run"
+    assert one is not None and one["mean"] == 1.0 and (one["low"], one["high"]) == (0.4, 1.6) and one["interval"] == "bootstrap within the run"
     three = combine([(1.0, None, None), (2.0, None, None), (3.0, None, None)])
+    assert three is not None
     half = 4.302652729911275 * 1.0 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
     assert three["mean"] == 2.0 and three["low"] == pytest.approx(2.0 - half) and three["high"] == pytest.approx(2.0 + half)
-    assert combine([(None, None, None)]) is None and combine([(0.5, None, None)])["low"] is None
+    single = combine([(0.5, None, None)])
+    assert combine([(None, None, None)]) is None and single is not None and single["low"] is None
 
 
 def test_ranks_order_only_where_intervals_separate():
     gain = next(m for m in MEASURES if m.key == "reconstruction")
     l1 = next(m for m in MEASURES if m.key == "label_l1")
-    rows = [{"cells": {"reconstruction": {"mean": 5, "low": 4, "high": 6}, "label_l1": {"mean": 0.1, "low": 0.0, "high": 0.2}}},
+    rows: list[dict[str, Any]] = [{"cells": {"reconstruction": {"mean": 5, "low": 4, "high": 6}, "label_l1": {"mean": 0.1, "low": 0.0, "high": 0.2}}},
             {"cells": {"reconstruction": {"mean": 4.5, "low": 3, "high": 5.5}, "label_l1": {"mean": 0.5, "low": 0.4, "high": 0.6}}},
             {"cells": {"reconstruction": {"mean": 0, "low": -1, "high": 1}, "label_l1": {"mean": 0.15, "low": 0.05, "high": 0.5}}},
             {"cells": {"reconstruction": {"mean": 2, "low": None, "high": None}}}]  # fmt: skip
