@@ -103,16 +103,17 @@ class Measure:
     fmt: str
     more_is_more: bool  # a larger value leaks more (or, for utility, is better)
     chance: float | None = None  # the line of "no leakage" drawn in the figure
+    bounds: tuple[float, float] | None = None  # the measure's range: an interval is clipped to it (accuracy <= 100 %)
 
 
 MEASURES = (
-    Measure("acc_global", "accuracy, global protocol", "utility", "%", ".2f", True),
-    Measure("acc_personal", "accuracy, personal protocol", "utility", "%", ".2f", True),
+    Measure("acc_global", "accuracy, global protocol", "utility", "%", ".2f", True, bounds=(0.0, 100.0)),
+    Measure("acc_personal", "accuracy, personal protocol", "utility", "%", ".2f", True, bounds=(0.0, 100.0)),
     Measure("reconstruction", "image reconstruction: PSNR gain over the prior", "reconstruction", "dB", "+.2f", True, 0.0),
-    Measure("label_recall", "label inference: class recall", "labels", "", ".2f", True),
-    Measure("label_l1", "label inference: histogram L1 (0 = exact shares)", "labels", "", ".2f", False),
-    Measure("membership", "membership inference: AUC", "membership", "", ".3f", True, 0.5),
-    Measure("membership_tpr", "membership inference: TPR at 1 % FPR", "membership", "", ".3f", True),
+    Measure("label_recall", "label inference: class recall", "labels", "", ".2f", True, bounds=(0.0, 1.0)),
+    Measure("label_l1", "label inference: histogram L1 (0 = exact shares)", "labels", "", ".2f", False, bounds=(0.0, 2.0)),
+    Measure("membership", "membership inference: AUC", "membership", "", ".3f", True, 0.5, bounds=(0.0, 1.0)),
+    Measure("membership_tpr", "membership inference: TPR at 1 % FPR", "membership", "", ".3f", True, bounds=(0.0, 1.0)),
 )
 
 
@@ -226,6 +227,8 @@ def build_rows(results: list[CellResult], seeds: Sequence[int]) -> list[dict[str
         for m in MEASURES:
             stat = combine([s.get(m.key, (None, None, None)) for s in per_seed])
             if stat is not None:
+                if m.bounds is not None and stat["low"] is not None:  # a t-interval over few seeds can leave the measure's range
+                    stat["low"], stat["high"] = max(stat["low"], m.bounds[0]), min(stat["high"], m.bounds[1])
                 row["cells"][m.key] = stat
         for key in ("upload_bytes", "broadcast_bytes", "peer_bytes"):
             vals = [float(((c.entry or {}).get("communication") or {}).get(key) or 0.0) for c in done]
@@ -563,7 +566,7 @@ def render_markdown(table: dict[str, Any]) -> str:
         return f"; {word} {v['leaks_seeds']}/{len(r['seeds'])}, {', '.join(f['attacks'])}, SoK {', '.join(f['sok'])}"
 
     lines = [
-        "| method | model group | acc. global (%) | acc. personal (%) | up / round | images: PSNR gain over the prior (dB) "
+        "| method | model group | acc. global (%) | acc. personal (%) | up / down / peer per round | images: PSNR gain over the prior (dB) "
         "| labels: recall / L1 | membership: AUC | TPR at 1 % FPR |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -572,7 +575,8 @@ def render_markdown(table: dict[str, Any]) -> str:
         sends = "" if r["sends"] else " (sends nothing)"
         lines.append(
             f"| {r['label']}{sends} | {', '.join(r['model_group'])} | {stat(c.get('acc_global'), '.2f')} | {stat(c.get('acc_personal'), '.2f')} "
-            f"| {_bytes(r.get('upload_bytes'))} | {stat(c.get('reconstruction'), '+.2f')}{family(r, 'reconstruction')} "
+            f"| {' / '.join(_bytes(r.get(k)) for k in ('upload_bytes', 'broadcast_bytes', 'peer_bytes'))} "
+            f"| {stat(c.get('reconstruction'), '+.2f')}{family(r, 'reconstruction')} "
             f"| {stat(c.get('label_recall'), '.2f')} / {stat(c.get('label_l1'), '.2f')}{family(r, 'labels')} "
             f"| {stat(c.get('membership'), '.3f')}{family(r, 'membership')} | {stat(c.get('membership_tpr'), '.3f')} |"
         )
