@@ -296,7 +296,9 @@ def _pareto(points: list[tuple[float, float, str]], more_is_more: bool) -> list[
 def frontier_figure(path: Path, rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Accuracy (personal protocol, the model a client keeps) against each leakage measure, one point per
     method with its intervals, the Pareto front drawn; Local (sends nothing) is a line, FedAvg a diamond,
-    defended variants squares. Returns the front's members per panel."""
+    defended variants squares. A point left of the prior's line (gain 0, AUC 0.5) is drawn where it was
+    measured, but the front places it on the line: a failed attack does not make a method more private.
+    Returns the front's members per panel."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -321,7 +323,17 @@ def frontier_figure(path: Path, rows: list[dict[str, Any]]) -> dict[str, list[st
             ax.annotate(r["label"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
                         weight="bold" if r["method"] in ("fedavg", "local") else "normal")  # fmt: skip
             points.append((x["mean"], y["mean"], r["label"]))
-        front = _pareto(points, m.more_is_more)
+        if m.chance is not None:  # below the prior an attack failed: that is no evidence of less leakage, so the front
+            # compares such methods at the prior's line, by accuracy alone
+            floor = m.chance
+            front = _pareto([(max(p[0], floor), p[1], p[2]) for p in points], m.more_is_more)
+            lo, hi = ax.get_xlim() if points else (floor - 1.0, floor + 1.0)
+            ax.axvspan(min(lo, floor), floor, color="#eeeeee", zorder=0)
+            ax.set_xlim(min(lo, floor), max(hi, floor))
+            ax.text(0.01, 0.01, "left of the line: the attack scored below its prior (failed), not less leakage", transform=ax.transAxes,
+                    fontsize=6.5, color="#666666")  # fmt: skip
+        else:
+            front = _pareto(points, m.more_is_more)
         fronts[m.key] = [p[2] for p in front]
         if len(front) > 1:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post" if m.more_is_more else "pre", color="#e90", linewidth=1.2,
