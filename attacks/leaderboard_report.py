@@ -15,7 +15,9 @@ How a cell of the table is computed from its seeds:
   measured.
 * **Rank**: 1 + the number of methods whose interval lies entirely on the leaking (or, for accuracy, the
   better) side of this one's. Methods whose intervals overlap share a rank; no ordering is stated between
-  them. A cell without an interval gets no rank.
+  them. For the image gain and the AUC, intervals are read clipped at the prior's line (0 dB, 0.5): below
+  it an attack failed, so methods whose attacks failed are never ranked against each other. A cell
+  without an interval gets no rank.
 """
 
 from __future__ import annotations
@@ -183,12 +185,18 @@ def ranks(rows: list[dict[str, Any]], measure: Measure) -> None:
     stats = [(row, row["cells"].get(measure.key)) for row in rows]
     with_interval = [(row, s) for row, s in stats if s and s.get("low") is not None and s.get("high") is not None]
     for _, s in with_interval:
-        s["rank"] = 1 + sum(1 for _, o in with_interval if beyond(o, s, measure.more_is_more))
+        s["rank"] = 1 + sum(1 for _, o in with_interval if beyond(o, s, measure.more_is_more, measure.chance))
 
 
-def beyond(a: dict[str, Any], b: dict[str, Any], more_is_more: bool) -> bool:
-    """Whether ``a``'s interval lies entirely on the leaking (or better) side of ``b``'s."""
-    return bool(a["low"] > b["high"]) if more_is_more else bool(a["high"] < b["low"])
+def beyond(a: dict[str, Any], b: dict[str, Any], more_is_more: bool, floor: float | None = None) -> bool:
+    """Whether ``a``'s interval lies entirely on the leaking (or better) side of ``b``'s. With ``floor`` (the
+    prior's line: gain 0, AUC 0.5), both intervals are read clipped at it: below it an attack failed, which
+    is no evidence of less leakage, so two methods whose attacks failed are never ordered."""
+
+    def clip(x: float) -> float:
+        return x if floor is None else max(x, floor)
+
+    return bool(clip(a["low"]) > clip(b["high"])) if more_is_more else bool(a["high"] < b["low"])
 
 
 def _verdict(details: list[dict[str, Any]], n_seeds: int) -> dict[str, Any]:
@@ -272,8 +280,8 @@ def ordering(rows: list[dict[str, Any]]) -> list[str]:
         ref = by_label.get("fedavg")
         if ref is not None and ref["cells"].get(m.key, {}).get("low") is not None:
             s = ref["cells"][m.key]
-            above = [r["label"] for r in ranked if r is not ref and beyond(r["cells"][m.key], s, m.more_is_more)]
-            under = [r["label"] for r in ranked if r is not ref and beyond(s, r["cells"][m.key], m.more_is_more)]
+            above = [r["label"] for r in ranked if r is not ref and beyond(r["cells"][m.key], s, m.more_is_more, m.chance)]
+            under = [r["label"] for r in ranked if r is not ref and beyond(s, r["cells"][m.key], m.more_is_more, m.chance)]
             verb = ("score above", "score below") if m.family == "utility" else ("leak more than", "leak less than")
             if above:
                 out.append(f"{m.label}: {', '.join(above)} {verb[0]} FedAvg (intervals separate)")

@@ -205,6 +205,12 @@ def test_ranks_order_only_where_intervals_separate():
     ranks(rows, gain)
     ranks(rows, l1)
     assert [r["cells"]["reconstruction"].get("rank") for r in rows] == [1, 1, 3, None]  # overlapping intervals share a rank
+    failed: list[dict[str, Any]] = [
+        {"cells": {"reconstruction": {"mean": -1, "low": -2, "high": -0.5}}},
+        {"cells": {"reconstruction": {"mean": -8, "low": -9, "high": -7}}},
+    ]
+    ranks(failed, gain)  # two attacks below the prior: no ordering of the two, however far apart
+    assert [r["cells"]["reconstruction"]["rank"] for r in failed] == [1, 1]
     assert [r["cells"].get("label_l1", {}).get("rank") for r in rows] == [1, 2, 1, None]  # a smaller L1 leaks more
 
 
