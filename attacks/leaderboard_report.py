@@ -585,6 +585,12 @@ def render_markdown(table: dict[str, Any]) -> str:
         word = "**leaks**" if v["leaks_seeds"] else "no evidence"
         return f"; {word} {v['leaks_seeds']}/{len(r['seeds'])}, {', '.join(f['attacks'])}, SoK {', '.join(f['sok'])}"
 
+    def tpr(r: dict[str, Any]) -> str:
+        if r["cells"].get("membership_tpr") is not None:
+            return stat(r["cells"]["membership_tpr"], ".3f")
+        notes = [d.get("tpr_note") for d in r["families"].get("membership", {}).get("per_seed", []) if d.get("tpr_note")]
+        return "unavailable: fewer than 10 false positives" if notes else "–"
+
     lines = [
         "| method | model group | acc. global (%) | acc. personal (%) | up / down / peer per round | images: PSNR gain over the prior (dB) "
         "| labels: recall / L1 | membership: AUC | TPR at 1 % FPR |",
@@ -598,7 +604,7 @@ def render_markdown(table: dict[str, Any]) -> str:
             f"| {' / '.join(_bytes(r.get(k)) for k in ('upload_bytes', 'broadcast_bytes', 'peer_bytes'))} "
             f"| {stat(c.get('reconstruction'), '+.2f')}{family(r, 'reconstruction')} "
             f"| {stat(c.get('label_recall'), '.2f')} / {stat(c.get('label_l1'), '.2f')}{family(r, 'labels')} "
-            f"| {stat(c.get('membership'), '.3f')}{family(r, 'membership')} | {stat(c.get('membership_tpr'), '.3f')} |"
+            f"| {stat(c.get('membership'), '.3f')}{family(r, 'membership')} | {tpr(r)} |"
         )
     return "\n".join(lines) + "\n"
 
