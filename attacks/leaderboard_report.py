@@ -484,6 +484,8 @@ def render_html(table: dict[str, Any], figure: Path) -> str:
         f"<code>{html.escape(', '.join(s['model_groups']['heterogeneous']))}</code>, methods that need one architecture on "
         f"<code>{html.escape(', '.join(s['model_groups']['homogeneous']))}</code>. Wall time of this invocation "
         f"{table['wall_seconds']:.0f} s ({table['cells_computed']} cells computed, {table['cells_reused']} reused; "
+        f"{len(table['invocations'])} invocation(s) in this folder, {table['total_wall_seconds']:.0f} s of wall time in all, a killed one "
+        "counted to its last finished cell; "
         f"{table['cell_seconds']:.0f} s of cell work in all) with {table['workers']['count']} worker(s) on {html.escape(table['device'])}.</p>",
         "<p class=note>Each value is the mean over seeds with a 95 % interval (Student's t over seeds; with one seed, the result's own "
         "bootstrap interval). <small>#k</small> is the rank: 1 + the number of methods whose interval lies entirely beyond this one's, so "
@@ -623,6 +625,7 @@ def write_leaderboard(
     train_options: dict[str, Any],
     notes: Sequence[str] = (),
     setting: dict[str, Any],
+    invocations: Sequence[dict[str, Any]] = (),
 ) -> tuple[dict[str, Any], tuple[Path, Path, Path, Path]]:
     """leaderboard.json / .csv / _cells.csv / .html and frontier.png in ``out``: (the table, (html, json, csv, figure)).
     ``setting``: the shared data options every cell trained with (dataset, subsample, clients, partition, alpha, rounds)."""
@@ -656,6 +659,8 @@ def write_leaderboard(
         "device": str(resolve_device(device)),
         "workers": {"count": workers.count, "threads_each": workers.threads_each()},
         "wall_seconds": round(wall_seconds, 1),
+        "invocations": list(invocations),
+        "total_wall_seconds": round(sum(float(i["seconds"]) for i in invocations), 1) if invocations else round(wall_seconds, 1),
         "cell_seconds": round(sum(r.train_seconds + r.attack_seconds for r in results), 1),
         "cells_computed": sum(1 for r in results if not r.reused and r.entry is not None),
         "cells_reused": sum(1 for r in results if r.reused),

@@ -123,6 +123,9 @@ def test_a_killed_leaderboard_resumes_to_the_table_of_an_uninterrupted_one(board
     with _one_thread():
         resumed = lb.leaderboard(METHODS, seeds=[0, 1], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
     assert resumed.table["cells_reused"] == 2 and resumed.table["cells_computed"] == 4
+    first, second = resumed.table["invocations"]  # the killed one counts until its last finished cell
+    assert (first["cells"], first["ended"], second["cells"], second["ended"]) == (2, False, 4, True)
+    assert resumed.table["total_wall_seconds"] >= first["seconds"] + second["seconds"] - 0.2
     assert _numbers(resumed.table) == _numbers(board.table)
     assert [r["cells"].get("reconstruction", {}).get("rank") for r in resumed.table["rows"]] == [
         r["cells"].get("reconstruction", {}).get("rank") for r in board.table["rows"]
