@@ -18,8 +18,9 @@ import torch
 from privfl.capture import TensorStore
 from privfl.config import load_saved_config
 from privfl.errors import PrivflError
+from privfl.fl import parallel
 from privfl.fl.parallel import defer_or_run, ordered_map
-from privfl.methods import METHODS, ClientReply, parallel
+from privfl.methods import METHODS, ClientReply
 from privfl.methods.simple import Local
 from privfl.run import Run, load_checkpoint_state, read_checkpoint
 from privfl.seeding import seed_global
