@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -351,6 +352,38 @@ def _cell_in_worker(cell: Cell, folder: str, profile: Profile, settings: JobSett
 
 
 # ------------------------------------------------------------------------------------------ the whole
+INVOCATIONS = "invocations.jsonl"
+
+
+def _log_event(out: Path, event: dict[str, Any]) -> None:
+    """One line of ``invocations.jsonl``: when each invocation started, finished a cell, ended. A killed
+    invocation has no end; its wall time counts until its last finished cell."""
+    with open(out / INVOCATIONS, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(event) + "\n")
+
+
+def invocation_times(out: Path) -> list[dict[str, Any]]:
+    """Per invocation of the leaderboard in ``out``: its start, its wall seconds, the cells it finished, whether it ended."""
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        lines = (out / INVOCATIONS).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if not isinstance(e, dict) or "id" not in e or "t" not in e:
+            continue
+        inv = found.setdefault(str(e["id"]), {"started": e["t"], "last": e["t"], "cells": 0, "ended": False})
+        inv["last"] = max(inv["last"], e["t"])
+        inv["cells"] += e.get("event") == "cell"
+        inv["ended"] |= e.get("event") == "end"
+    return [{"started": v["started"], "seconds": round(v["last"] - v["started"], 1), "cells": v["cells"], "ended": v["ended"]}
+            for v in found.values()]  # fmt: skip
+
+
 def _claim(out: Path) -> tuple[Any, bool]:
     """Take the leaderboard folder: made here, or one a leaderboard made before (its marker), never
     another folder. An flock keeps a second leaderboard out of it while this one runs."""
@@ -398,16 +431,21 @@ def leaderboard(
     cells, notes = plan(names, list(seeds), list(defenses), prof, train_options=options, device=device, data_root=data_root)
     out = Path(out)
     claim, created = _claim(out)
+    invocation = f"{os.getpid()}-{time.time():.0f}"
+    _log_event(out, {"id": invocation, "t": time.time(), "event": "start", "cells": len(cells)})
     try:
         settings = JobSettings(0, device, deterministic or bool(options.get("deterministic")), data_root)
-        results = _run_cells(cells, out, prof, settings, pool, progress=progress, log=log)
+        results = _run_cells(cells, out, prof, settings, pool, progress=progress, log=log,
+                             on_cell=lambda c: _log_event(out, {"id": invocation, "t": time.time(), "event": "cell", "key": c.key}))  # fmt: skip
+        _log_event(out, {"id": invocation, "t": time.time(), "event": "end"})
         seconds = time.perf_counter() - start
         first = cells[0].values if cells else {}
         setting = {k: first.get(k, _config_default(k)) for k in ("dataset", "subsample", "num_clients", "partition", "alpha", "rounds")}
         if setting["partition"] != "dir":
             setting["alpha"] = None
         table, paths = write_leaderboard(out, results, prof, seeds=list(seeds), defenses=list(defenses), wall_seconds=seconds,
-                                         workers=pool, device=device, train_options=options, notes=notes, setting=setting)  # fmt: skip
+                                         workers=pool, device=device, train_options=options, notes=notes, setting=setting,
+                                         invocations=invocation_times(out))  # fmt: skip
         return LeaderboardResult(table, out, *paths, results)
     except BaseException:
         if created and not any((out / "cells").glob("*/cell.json")) and not any((out / "cells").glob("*/run")):
@@ -418,7 +456,15 @@ def leaderboard(
 
 
 def _run_cells(
-    cells: list[Cell], out: Path, prof: Profile, settings: JobSettings, pool: Workers, *, progress: bool, log: Callable[[str], None]
+    cells: list[Cell],
+    out: Path,
+    prof: Profile,
+    settings: JobSettings,
+    pool: Workers,
+    *,
+    progress: bool,
+    log: Callable[[str], None],
+    on_cell: Callable[[Cell], None] = lambda _: None,
 ) -> list[CellResult]:
     """Every cell, reusing the finished ones, in the plan's order whatever order they finish in."""
     from tqdm import tqdm
@@ -436,6 +482,8 @@ def _run_cells(
     def finished(r: CellResult) -> None:
         results[r.cell] = r
         bar.update(1)
+        if not r.error:
+            on_cell(r.cell)
         if r.error:
             log(f"  {r.cell.label} seed {r.cell.seed}: {r.error}")
         else:

@@ -1,4 +1,4 @@
-"""The leaderboard's outputs: ``leaderboard.json`` (schema ``privfl-leaderboard/1``), ``leaderboard.csv``
+"""The leaderboard's outputs: ``leaderboard.json`` (schema ``privfl-leaderboard/1``), ``leaderboard.md``, ``leaderboard.csv``
 (one row per method and defense), ``leaderboard_cells.csv`` (one row per seed), a sortable self-contained
 ``leaderboard.html`` and the privacy-utility frontier ``frontier.png``.
 
@@ -15,7 +15,9 @@ How a cell of the table is computed from its seeds:
   measured.
 * **Rank**: 1 + the number of methods whose interval lies entirely on the leaking (or, for accuracy, the
   better) side of this one's. Methods whose intervals overlap share a rank; no ordering is stated between
-  them. A cell without an interval gets no rank.
+  them. For the image gain and the AUC, intervals are read clipped at the prior's line (0 dB, 0.5): below
+  it an attack failed, so methods whose attacks failed are never ranked against each other. A cell
+  without an interval gets no rank.
 """
 
 from __future__ import annotations
@@ -103,16 +105,17 @@ class Measure:
     fmt: str
     more_is_more: bool  # a larger value leaks more (or, for utility, is better)
     chance: float | None = None  # the line of "no leakage" drawn in the figure
+    bounds: tuple[float, float] | None = None  # the measure's range: an interval is clipped to it (accuracy <= 100 %)
 
 
 MEASURES = (
-    Measure("acc_global", "accuracy, global protocol", "utility", "%", ".2f", True),
-    Measure("acc_personal", "accuracy, personal protocol", "utility", "%", ".2f", True),
+    Measure("acc_global", "accuracy, global protocol", "utility", "%", ".2f", True, bounds=(0.0, 100.0)),
+    Measure("acc_personal", "accuracy, personal protocol", "utility", "%", ".2f", True, bounds=(0.0, 100.0)),
     Measure("reconstruction", "image reconstruction: PSNR gain over the prior", "reconstruction", "dB", "+.2f", True, 0.0),
-    Measure("label_recall", "label inference: class recall", "labels", "", ".2f", True),
-    Measure("label_l1", "label inference: histogram L1 (0 = exact shares)", "labels", "", ".2f", False),
-    Measure("membership", "membership inference: AUC", "membership", "", ".3f", True, 0.5),
-    Measure("membership_tpr", "membership inference: TPR at 1 % FPR", "membership", "", ".3f", True),
+    Measure("label_recall", "label inference: class recall", "labels", "", ".2f", True, bounds=(0.0, 1.0)),
+    Measure("label_l1", "label inference: histogram L1 (0 = exact shares)", "labels", "", ".2f", False, bounds=(0.0, 2.0)),
+    Measure("membership", "membership inference: AUC", "membership", "", ".3f", True, 0.5, bounds=(0.0, 1.0)),
+    Measure("membership_tpr", "membership inference: TPR at 1 % FPR", "membership", "", ".3f", True, bounds=(0.0, 1.0)),
 )
 
 
@@ -182,12 +185,18 @@ def ranks(rows: list[dict[str, Any]], measure: Measure) -> None:
     stats = [(row, row["cells"].get(measure.key)) for row in rows]
     with_interval = [(row, s) for row, s in stats if s and s.get("low") is not None and s.get("high") is not None]
     for _, s in with_interval:
-        s["rank"] = 1 + sum(1 for _, o in with_interval if beyond(o, s, measure.more_is_more))
+        s["rank"] = 1 + sum(1 for _, o in with_interval if beyond(o, s, measure.more_is_more, measure.chance))
 
 
-def beyond(a: dict[str, Any], b: dict[str, Any], more_is_more: bool) -> bool:
-    """Whether ``a``'s interval lies entirely on the leaking (or better) side of ``b``'s."""
-    return bool(a["low"] > b["high"]) if more_is_more else bool(a["high"] < b["low"])
+def beyond(a: dict[str, Any], b: dict[str, Any], more_is_more: bool, floor: float | None = None) -> bool:
+    """Whether ``a``'s interval lies entirely on the leaking (or better) side of ``b``'s. With ``floor`` (the
+    prior's line: gain 0, AUC 0.5), both intervals are read clipped at it: below it an attack failed, which
+    is no evidence of less leakage, so two methods whose attacks failed are never ordered."""
+
+    def clip(x: float) -> float:
+        return x if floor is None else max(x, floor)
+
+    return bool(clip(a["low"]) > clip(b["high"])) if more_is_more else bool(a["high"] < b["low"])
 
 
 def _verdict(details: list[dict[str, Any]], n_seeds: int) -> dict[str, Any]:
@@ -226,6 +235,8 @@ def build_rows(results: list[CellResult], seeds: Sequence[int]) -> list[dict[str
         for m in MEASURES:
             stat = combine([s.get(m.key, (None, None, None)) for s in per_seed])
             if stat is not None:
+                if m.bounds is not None and stat["low"] is not None:  # a t-interval over few seeds can leave the measure's range
+                    stat["low"], stat["high"] = max(stat["low"], m.bounds[0]), min(stat["high"], m.bounds[1])
                 row["cells"][m.key] = stat
         for key in ("upload_bytes", "broadcast_bytes", "peer_bytes"):
             vals = [float(((c.entry or {}).get("communication") or {}).get(key) or 0.0) for c in done]
@@ -269,8 +280,8 @@ def ordering(rows: list[dict[str, Any]]) -> list[str]:
         ref = by_label.get("fedavg")
         if ref is not None and ref["cells"].get(m.key, {}).get("low") is not None:
             s = ref["cells"][m.key]
-            above = [r["label"] for r in ranked if r is not ref and beyond(r["cells"][m.key], s, m.more_is_more)]
-            under = [r["label"] for r in ranked if r is not ref and beyond(s, r["cells"][m.key], m.more_is_more)]
+            above = [r["label"] for r in ranked if r is not ref and beyond(r["cells"][m.key], s, m.more_is_more, m.chance)]
+            under = [r["label"] for r in ranked if r is not ref and beyond(s, r["cells"][m.key], m.more_is_more, m.chance)]
             verb = ("score above", "score below") if m.family == "utility" else ("leak more than", "leak less than")
             if above:
                 out.append(f"{m.label}: {', '.join(above)} {verb[0]} FedAvg (intervals separate)")
@@ -293,7 +304,9 @@ def _pareto(points: list[tuple[float, float, str]], more_is_more: bool) -> list[
 def frontier_figure(path: Path, rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Accuracy (personal protocol, the model a client keeps) against each leakage measure, one point per
     method with its intervals, the Pareto front drawn; Local (sends nothing) is a line, FedAvg a diamond,
-    defended variants squares. Returns the front's members per panel."""
+    defended variants squares. A point left of the prior's line (gain 0, AUC 0.5) is drawn where it was
+    measured, but the front places it on the line: a failed attack does not make a method more private.
+    Returns the front's members per panel."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -318,7 +331,17 @@ def frontier_figure(path: Path, rows: list[dict[str, Any]]) -> dict[str, list[st
             ax.annotate(r["label"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
                         weight="bold" if r["method"] in ("fedavg", "local") else "normal")  # fmt: skip
             points.append((x["mean"], y["mean"], r["label"]))
-        front = _pareto(points, m.more_is_more)
+        if m.chance is not None:  # below the prior an attack failed: that is no evidence of less leakage, so the front
+            # compares such methods at the prior's line, by accuracy alone
+            floor = m.chance
+            front = _pareto([(max(p[0], floor), p[1], p[2]) for p in points], m.more_is_more)
+            lo, hi = ax.get_xlim() if points else (floor - 1.0, floor + 1.0)
+            ax.axvspan(min(lo, floor), floor, color="#eeeeee", zorder=0)
+            ax.set_xlim(min(lo, floor), max(hi, floor))
+            ax.text(0.01, 0.01, "left of the line: the attack scored below its prior (failed), not less leakage", transform=ax.transAxes,
+                    fontsize=6.5, color="#666666")  # fmt: skip
+        else:
+            front = _pareto(points, m.more_is_more)
         fronts[m.key] = [p[2] for p in front]
         if len(front) > 1:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post" if m.more_is_more else "pre", color="#e90", linewidth=1.2,
@@ -461,6 +484,8 @@ def render_html(table: dict[str, Any], figure: Path) -> str:
         f"<code>{html.escape(', '.join(s['model_groups']['heterogeneous']))}</code>, methods that need one architecture on "
         f"<code>{html.escape(', '.join(s['model_groups']['homogeneous']))}</code>. Wall time of this invocation "
         f"{table['wall_seconds']:.0f} s ({table['cells_computed']} cells computed, {table['cells_reused']} reused; "
+        f"{len(table['invocations'])} invocation(s) in this folder, {table['total_wall_seconds']:.0f} s of wall time in all, a killed one "
+        "counted to its last finished cell; "
         f"{table['cell_seconds']:.0f} s of cell work in all) with {table['workers']['count']} worker(s) on {html.escape(table['device'])}.</p>",
         "<p class=note>Each value is the mean over seeds with a 95 % interval (Student's t over seeds; with one seed, the result's own "
         "bootstrap interval). <small>#k</small> is the rank: 1 + the number of methods whose interval lies entirely beyond this one's, so "
@@ -544,6 +569,48 @@ def write_cells_csv(path: Path, results: list[CellResult]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def render_markdown(table: dict[str, Any]) -> str:
+    """The table as Markdown (for a README, a paper's appendix or docs/leaderboard.md): one row per method,
+    each leakage cell with its interval, rank, verdict count, strongest attack and SoK class."""
+
+    def stat(s: dict[str, Any] | None, fmt: str) -> str:
+        if s is None:
+            return "–"
+        text = f"{s['mean']:{fmt}}" + (f" [{s['low']:{fmt}}, {s['high']:{fmt}}]" if s.get("low") is not None else "")
+        return text + (f" #{s['rank']}" if s.get("rank") is not None else "")
+
+    def family(r: dict[str, Any], name: str) -> str:
+        f = r["families"].get(name)
+        if not f:
+            return ""
+        v = f["verdict"]
+        word = "**leaks**" if v["leaks_seeds"] else "no evidence"
+        return f"; {word} {v['leaks_seeds']}/{len(r['seeds'])}, {', '.join(f['attacks'])}, SoK {', '.join(f['sok'])}"
+
+    def tpr(r: dict[str, Any]) -> str:
+        if r["cells"].get("membership_tpr") is not None:
+            return stat(r["cells"]["membership_tpr"], ".3f")
+        notes = [d.get("tpr_note") for d in r["families"].get("membership", {}).get("per_seed", []) if d.get("tpr_note")]
+        return "unavailable: fewer than 10 false positives" if notes else "–"
+
+    lines = [
+        "| method | model group | acc. global (%) | acc. personal (%) | up / down / peer per round | images: PSNR gain over the prior (dB) "
+        "| labels: recall / L1 | membership: AUC | TPR at 1 % FPR |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table["rows"]:
+        c = r["cells"]
+        sends = "" if r["sends"] else " (sends nothing)"
+        lines.append(
+            f"| {r['label']}{sends} | {', '.join(r['model_group'])} | {stat(c.get('acc_global'), '.2f')} | {stat(c.get('acc_personal'), '.2f')} "
+            f"| {' / '.join(_bytes(r.get(k)) for k in ('upload_bytes', 'broadcast_bytes', 'peer_bytes'))} "
+            f"| {stat(c.get('reconstruction'), '+.2f')}{family(r, 'reconstruction')} "
+            f"| {stat(c.get('label_recall'), '.2f')} / {stat(c.get('label_l1'), '.2f')}{family(r, 'labels')} "
+            f"| {stat(c.get('membership'), '.3f')}{family(r, 'membership')} | {tpr(r)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------ the whole
 def write_leaderboard(
     out: Path,
@@ -558,6 +625,7 @@ def write_leaderboard(
     train_options: dict[str, Any],
     notes: Sequence[str] = (),
     setting: dict[str, Any],
+    invocations: Sequence[dict[str, Any]] = (),
 ) -> tuple[dict[str, Any], tuple[Path, Path, Path, Path]]:
     """leaderboard.json / .csv / _cells.csv / .html and frontier.png in ``out``: (the table, (html, json, csv, figure)).
     ``setting``: the shared data options every cell trained with (dataset, subsample, clients, partition, alpha, rounds)."""
@@ -591,6 +659,8 @@ def write_leaderboard(
         "device": str(resolve_device(device)),
         "workers": {"count": workers.count, "threads_each": workers.threads_each()},
         "wall_seconds": round(wall_seconds, 1),
+        "invocations": list(invocations),
+        "total_wall_seconds": round(sum(float(i["seconds"]) for i in invocations), 1) if invocations else round(wall_seconds, 1),
         "cell_seconds": round(sum(r.train_seconds + r.attack_seconds for r in results), 1),
         "cells_computed": sum(1 for r in results if not r.reused and r.entry is not None),
         "cells_reused": sum(1 for r in results if r.reused),
@@ -610,6 +680,7 @@ def write_leaderboard(
     csv_path = out / "leaderboard.csv"
     write_csv(csv_path, rows)
     write_cells_csv(out / "leaderboard_cells.csv", results)
+    atomic_write_text(out / "leaderboard.md", render_markdown(table))
     html_path = out / "leaderboard.html"
     atomic_write_text(html_path, render_html(table, figure))
     return table, (html_path, json_path, csv_path, figure)

@@ -183,8 +183,8 @@ def print_board(table: dict[str, Any]) -> None:
         text = f"{s['mean']:{fmt}}" + (f" [{s['low']:{fmt}}, {s['high']:{fmt}}]" if s.get("low") is not None else "")
         return text + (f" #{s['rank']}" if s.get("rank") is not None else "")
 
-    t = Table(title=f"leakage leaderboard ({table['profile']['name']} profile, seeds {','.join(map(str, table['seeds']))}, "
-                    f"{table['wall_seconds']:.0f} s wall)")  # fmt: skip
+    wall = f"{table['wall_seconds']:.0f} s wall; {table['total_wall_seconds']:.0f} s over {len(table['invocations'])} invocation(s)"
+    t = Table(title=f"leakage leaderboard ({table['profile']['name']} profile, seeds {','.join(map(str, table['seeds']))}, {wall})")
     for col in ("method", "acc global %", "acc personal %", "upload/round", "image gain dB", "labels recall / L1", "membership AUC", "leaks"):
         t.add_column(col, justify="left" if col in ("method", "leaks") else "right")
     for r in table["rows"]:

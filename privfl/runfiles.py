@@ -25,7 +25,7 @@ from privfl.errors import CaptureError, ConfigError, UnknownNameError
 from privfl.kinds import KINDS
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
 
 _MAX_JSON_FILE = 1 << 28  # 256 MiB: far above any real config, metrics or summary file

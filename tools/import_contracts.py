@@ -11,6 +11,8 @@ former circles now point.
 
 from __future__ import annotations
 
+from typing import cast
+
 import grimp
 from importlinter.application import output
 from importlinter.domain import fields
@@ -24,7 +26,7 @@ class AcyclicModulesContract(Contract):
     containers = fields.ListField(subfield=fields.StringField())
 
     def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
-        roots = tuple(self.containers)  # type: ignore[call-overload]
+        roots = tuple(str(c) for c in cast("list[str]", self.containers))
         modules = sorted(m for m in graph.modules if m.startswith(roots))
         inside = set(modules)
         edges = {m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x in inside) for m in modules}

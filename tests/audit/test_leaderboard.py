@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,7 +85,7 @@ def test_every_method_is_trained_on_one_partition_and_the_outputs_are_written(bo
     assert rows["fedproto"]["families"]["labels"]["verdict"]["leaks_seeds"] == 2 and "labels" in rows["fedproto"]["leaks"]
     for fam in rows["fedavg"]["families"].values():  # every family names its attacks and the SoK class of their threat model
         assert fam["attacks"] and fam["sok"] and fam["verdict"]["text"]
-    for name in ("leaderboard.html", "leaderboard.json", "leaderboard.csv", "leaderboard_cells.csv", "frontier.png"):
+    for name in ("leaderboard.html", "leaderboard.json", "leaderboard.md", "leaderboard.csv", "leaderboard_cells.csv", "frontier.png"):
         assert (board.folder / name).is_file(), name
     assert json.loads(board.json.read_text())["schema"] == "privfl-leaderboard/1"
     lines = board.csv.read_text().splitlines()
@@ -122,6 +123,9 @@ def test_a_killed_leaderboard_resumes_to_the_table_of_an_uninterrupted_one(board
     with _one_thread():
         resumed = lb.leaderboard(METHODS, seeds=[0, 1], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
     assert resumed.table["cells_reused"] == 2 and resumed.table["cells_computed"] == 4
+    first, second = resumed.table["invocations"]  # the killed one counts until its last finished cell
+    assert (first["cells"], first["ended"], second["cells"], second["ended"]) == (2, False, 4, True)
+    assert resumed.table["total_wall_seconds"] >= first["seconds"] + second["seconds"] - 0.2
     assert _numbers(resumed.table) == _numbers(board.table)
     assert [r["cells"].get("reconstruction", {}).get("rank") for r in resumed.table["rows"]] == [
         r["cells"].get("reconstruction", {}).get("rank") for r in board.table["rows"]
@@ -185,23 +189,31 @@ def test_the_frontier_draws_defended_variants_fedavg_and_the_method_that_sends_n
 
 def test_intervals_over_seeds_and_within_one_seed():
     one = combine([(1.0, 0.4, 1.6)])
-    assert one["mean"] == 1.0 and (one["low"], one["high"]) == (0.4, 1.6) and one["interval"] == "bootstrap within the run"
+    assert one is not None and one["mean"] == 1.0 and (one["low"], one["high"]) == (0.4, 1.6) and one["interval"] == "bootstrap within the run"
     three = combine([(1.0, None, None), (2.0, None, None), (3.0, None, None)])
+    assert three is not None
     half = 4.302652729911275 * 1.0 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
     assert three["mean"] == 2.0 and three["low"] == pytest.approx(2.0 - half) and three["high"] == pytest.approx(2.0 + half)
-    assert combine([(None, None, None)]) is None and combine([(0.5, None, None)])["low"] is None
+    single = combine([(0.5, None, None)])
+    assert combine([(None, None, None)]) is None and single is not None and single["low"] is None
 
 
 def test_ranks_order_only_where_intervals_separate():
     gain = next(m for m in MEASURES if m.key == "reconstruction")
     l1 = next(m for m in MEASURES if m.key == "label_l1")
-    rows = [{"cells": {"reconstruction": {"mean": 5, "low": 4, "high": 6}, "label_l1": {"mean": 0.1, "low": 0.0, "high": 0.2}}},
+    rows: list[dict[str, Any]] = [{"cells": {"reconstruction": {"mean": 5, "low": 4, "high": 6}, "label_l1": {"mean": 0.1, "low": 0.0, "high": 0.2}}},
             {"cells": {"reconstruction": {"mean": 4.5, "low": 3, "high": 5.5}, "label_l1": {"mean": 0.5, "low": 0.4, "high": 0.6}}},
             {"cells": {"reconstruction": {"mean": 0, "low": -1, "high": 1}, "label_l1": {"mean": 0.15, "low": 0.05, "high": 0.5}}},
             {"cells": {"reconstruction": {"mean": 2, "low": None, "high": None}}}]  # fmt: skip
     ranks(rows, gain)
     ranks(rows, l1)
     assert [r["cells"]["reconstruction"].get("rank") for r in rows] == [1, 1, 3, None]  # overlapping intervals share a rank
+    failed: list[dict[str, Any]] = [
+        {"cells": {"reconstruction": {"mean": -1, "low": -2, "high": -0.5}}},
+        {"cells": {"reconstruction": {"mean": -8, "low": -9, "high": -7}}},
+    ]
+    ranks(failed, gain)  # two attacks below the prior: no ordering of the two, however far apart
+    assert [r["cells"]["reconstruction"]["rank"] for r in failed] == [1, 1]
     assert [r["cells"].get("label_l1", {}).get("rank") for r in rows] == [1, 2, 1, None]  # a smaller L1 leaks more
 
 
