@@ -33,6 +33,7 @@ def trainer(tmp_path: Path, method: str, **values: Any):
     return engine_trainer(tmp_path / method, {**ENGINE, "method": method, "out_dir": str(tmp_path), **values})
 
 
+# ------------------------------------------------------------------------------------------ counts from layer shapes
 @pytest.mark.parametrize(
     "arch, channels, side, expected",
     [("cnn4", 1, 28, 576_896), ("cnn4", 3, 32, 873_408), ("resnet18", 3, 32, 11_176_512)],

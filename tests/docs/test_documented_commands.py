@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 FENCE = re.compile(r"^```(?:bash|sh|console)?\n(.*?)^```", re.M | re.S)
 COMMAND = re.compile(r"(?:^|\s)(?:\.venv/bin/)?python -m (privfl\.(?:train|attack|audit|analyze|capture))\b(.*)")
