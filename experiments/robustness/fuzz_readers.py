@@ -824,9 +824,9 @@ def call_attacker_view(ws: Workspace, rel: str) -> Any:
 
 
 def call_run_models(ws: Workspace, rel: str) -> Any:
-    from privfl.analysis.loading import RunModels
+    from privfl.run import Run
 
-    models = RunModels(ws.run)
+    models = Run(ws.run).models()
     assert isinstance(models.round, int) and isinstance(models.config, dict) and isinstance(models.info, dict)
     assert isinstance(models.method, str) and isinstance(models.num_clients, int)  # what the analyze commands ask first
     assert isinstance(models.class_names, list)

@@ -232,7 +232,7 @@ def test_safetensors_io_errors_are_one_line_and_other_errors_keep_their_tracebac
 
 @pytest.mark.parametrize("saved", [True, False], ids=["run-kept", "nothing-kept"])
 def test_train_says_how_to_resume_after_a_full_disk(tmp_path, capsys, monkeypatch, saved):
-    from privfl import engine
+    import privfl.train as privfl_train
 
     def fake_train(cfg, *, callbacks=()):
         run = Path(cfg.out_dir) / cfg.run_name
@@ -241,7 +241,7 @@ def test_train_says_how_to_resume_after_a_full_disk(tmp_path, capsys, monkeypatc
             (run / "config.json").write_text("{}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write() fails: no path reported
 
-    monkeypatch.setattr(engine, "train", fake_train)
+    monkeypatch.setattr(privfl_train, "train_config", fake_train)
     err = cli_error(capsys, "privfl.train", train_main, ["fedavg", "--out-dir", str(tmp_path), "--run-name", "r"])
     if saved:
         hint = f"the run keeps its last complete round: python -m privfl.train --resume --run {tmp_path / 'r'} continues it"

@@ -47,12 +47,12 @@ def test_table_has_both_protocols_and_comm_and_resumes_without_retraining(tmp_pa
     assert json.loads((tmp_path / "table.json").read_text())["runs"]["FedGH"]["0"]["status"] == "trained"
 
     # a second run of the table reads every run (training would fail) and gives the same table
-    import privfl.engine
+    import privfl.train as training
 
     def no_training(*args, **kwargs):
         raise AssertionError("retrained a finished run")
 
-    monkeypatch.setattr(privfl.engine, "train", no_training)
+    monkeypatch.setattr(training, "train_config", no_training)
     lines.clear()
     again = tables.run_table(table, tmp_path, log=lines.append)
     assert sum("already trained, not retrained" in line for line in lines) == 2
