@@ -23,7 +23,8 @@ TINY = Profile(
     {"invert": {"steps": 2, "input_depth": 4}, "dlg": {"steps": 1, "lbfgs_max_iter": 2}, "idlg": {"steps": 1, "lbfgs_max_iter": 2},
      "ig": {"steps": 2}, "mia-loss": {"queries": 40}, "mia-lira": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1},
      "mia-rmia": {"queries": 40, "population": 80, "shadows": 2, "shadow_epochs": 1},
-     "invert-head": {"steps": 5, "shifts": 0, "population": 80}, "invert-learned": {"steps": 5, "shifts": 0, "population": 80}},
+     "invert-head": {"steps": 5, "shifts": 0, "population": 80}, "invert-learned": {"steps": 5, "shifts": 0, "population": 80},
+     "invert-substitute": {"steps": 5, "shifts": 0, "population": 80, "substitute_steps": 5}},
 )  # fmt: skip
 
 METHOD = '''

@@ -104,31 +104,41 @@ def test_a_finished_leaderboard_run_again_reuses_every_cell_and_gives_the_same_t
 
 
 def test_a_killed_leaderboard_resumes_to_the_table_of_an_uninterrupted_one(board, tmp_path, monkeypatch):
-    out = tmp_path / "lb"
+    """Killed while its second cell trains (two methods, seed 0: the board's cheapest pair of cells, which the
+    board already holds), resumed: the finished cell is reused, the half-made one trained again, and the
+    table is the one the board's own cells give."""
+    import shutil
+
+    methods, out = ["local", "fedproto"], tmp_path / "lb"
     real = lb.run_cell
     calls = []
 
-    def dies_on_the_third(cell, folder, *a, **k):
+    def dies_on_the_second(cell, folder, *a, **k):
         calls.append(cell)
-        if len(calls) == 3:  # killed while the third cell trains: its folder holds a half-made cell
+        if len(calls) == 2:  # killed while the second cell trains: its folder holds a half-made cell
             Path(folder).mkdir(parents=True, exist_ok=True)
             raise KeyboardInterrupt
         return real(cell, folder, *a, **k)
 
-    monkeypatch.setattr(lb, "run_cell", dies_on_the_third)
+    monkeypatch.setattr(lb, "run_cell", dies_on_the_second)
     with _one_thread(), pytest.raises(KeyboardInterrupt):
-        lb.leaderboard(METHODS, seeds=[0, 1], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
-    assert len(list(out.glob("cells/*/cell.json"))) == 2
+        lb.leaderboard(methods, seeds=[0], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
+    assert len(list(out.glob("cells/*/cell.json"))) == 1 and len(list(out.glob("cells/*"))) == 2
     monkeypatch.setattr(lb, "run_cell", real)
     with _one_thread():
-        resumed = lb.leaderboard(METHODS, seeds=[0, 1], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
-    assert resumed.table["cells_reused"] == 2 and resumed.table["cells_computed"] == 4
+        resumed = lb.leaderboard(methods, seeds=[0], profile=BOARD, out=out, device="cpu", progress=False, log=lambda _: None)
+    assert resumed.table["cells_reused"] == 1 and resumed.table["cells_computed"] == 1
     first, second = resumed.table["invocations"]  # the killed one counts until its last finished cell
-    assert (first["cells"], first["ended"], second["cells"], second["ended"]) == (2, False, 4, True)
+    assert (first["cells"], first["ended"], second["cells"], second["ended"]) == (1, False, 1, True)
     assert resumed.table["total_wall_seconds"] >= first["seconds"] + second["seconds"] - 0.2
-    assert _numbers(resumed.table) == _numbers(board.table)
-    assert [r["cells"].get("reconstruction", {}).get("rank") for r in resumed.table["rows"]] == [
-        r["cells"].get("reconstruction", {}).get("rank") for r in board.table["rows"]
+    # the uninterrupted table: the board's own cells of these methods and seed, reused in a copy (the board's outputs stay as they are)
+    shutil.copytree(board.folder, tmp_path / "uninterrupted")
+    with _one_thread():
+        whole = lb.leaderboard(methods, seeds=[0], profile=BOARD, out=tmp_path / "uninterrupted", device="cpu", progress=False, log=lambda _: None)
+    assert whole.table["cells_reused"] == 2 and whole.table["cells_computed"] == 0
+    assert _numbers(resumed.table) == _numbers(whole.table)
+    assert [{k: c.get("rank") for k, c in r["cells"].items()} for r in resumed.table["rows"]] == [
+        {k: c.get("rank") for k, c in r["cells"].items()} for r in whole.table["rows"]
     ]
 
 
@@ -245,7 +255,12 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "privfl.audit", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-def test_bad_leaderboard_input_is_one_line_and_creates_nothing(tmp_path):
+def test_bad_leaderboard_input_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    """The first refusal in a real process (exit status 2, one line on stderr); the others through the same
+    entry point in this process, which spares a torch import per case."""
+    from privfl.audit import main as audit_main
+    from privfl.cli import run_cli
+
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
@@ -258,8 +273,12 @@ def test_bad_leaderboard_input_is_one_line_and_creates_nothing(tmp_path):
         (["--methods", "fedavg", "--out", str(foreign)], "not a leaderboard folder"),
         (["fedavg", "--seeds", "0,1"], "--seeds is for the leaderboard"),
     ]
-    for args, words in cases:
-        got = _cli(*args, "--no-progress", cwd=tmp_path)
-        assert got.returncode == 2, (args, got.stderr)
-        assert words in got.stderr and len(got.stderr.strip().splitlines()) == 1, (args, got.stderr)
+    got = _cli(*cases[0][0], "--no-progress", cwd=tmp_path)
+    assert got.returncode == 2 and cases[0][1] in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
+    monkeypatch.chdir(tmp_path)  # where a leaderboard without --out would write
+    for args, words in cases[1:]:
+        code = run_cli("privfl.audit", lambda argv=[*args, "--no-progress"]: audit_main(argv))
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert words in err and len(err.strip().splitlines()) == 1, (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and (foreign / "notes.txt").read_text() == "keep"

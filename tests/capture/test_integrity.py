@@ -177,14 +177,16 @@ def _killed_run(tmp_path: Path, *, write_early: bool = True, name: str = "killed
     return tmp_path / name
 
 
-def resume(run: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "privfl.train", "--resume", str(run), "--no-progress"], check=False, env=ENV, cwd=ROOT, capture_output=True, text=True
-    )
+def resume(run: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``privfl.train --resume RUN`` through its console entry point, in this process (the kills above are the
+    part that needs a process of its own): exit status and stderr."""
+    capsys.readouterr()
+    code = run_cli("privfl.train", lambda: train_main(["--resume", str(run), "--no-progress"]))
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("base_run")
-def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path):
+def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path, capsys):
     killed = _killed_run(tmp_path)
     assert not verify_run(killed).ok  # uncommitted records of the interrupted round
     clean = _killed_run(tmp_path, write_early=False, name="kept-in-memory")
@@ -200,13 +202,13 @@ def test_resume_repairs_a_partial_line_and_refuses_other_damage(tmp_path):
     torn.write_bytes(b"\x00" * 10)
     assert any("temporary file" in p for p in verify_run(killed).problems["files"])
 
-    refused = resume(damaged)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert "--resume refuses" in refused.stderr
+    code, err = resume(damaged, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--resume refuses" in err
 
-    repaired = resume(killed)
-    assert repaired.returncode == 0, repaired.stderr[-2000:]
-    assert "dropped a partial last line" in repaired.stderr and "a write the kill cut short" in repaired.stderr
+    code, err = resume(killed, capsys)
+    assert code == 0, err[-2000:]
+    assert "dropped a partial last line" in err and "a write the kill cut short" in err
     assert not torn.exists()
     assert verify_run(killed).ok, verify_run(killed).lines()
 
