@@ -3,6 +3,7 @@ the same table, intervals over seeds, ranks only where intervals separate, the f
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -277,7 +278,8 @@ def test_bad_leaderboard_input_is_one_line_and_creates_nothing(tmp_path, monkeyp
     assert got.returncode == 2 and cases[0][1] in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
     monkeypatch.chdir(tmp_path)  # where a leaderboard without --out would write
     for args, words in cases[1:]:
-        code = run_cli("privfl.audit", lambda argv=[*args, "--no-progress"]: audit_main(argv))
+        argv: list[str] = [*args, "--no-progress"]
+        code = run_cli("privfl.audit", functools.partial(audit_main, argv))
         err = capsys.readouterr().err
         assert code == 2, (args, err)
         assert words in err and len(err.strip().splitlines()) == 1, (args, err)
