@@ -258,7 +258,7 @@ def leak(
         every = max(1, cfg.steps // max(1, cfg.snapshots))
         with _onednn_off() if native else contextlib.nullcontext():
             if cfg.variant in ("dlg", "idlg"):
-                # torch.optim.LBFGS's iteration (tests/test_lbfgs.py), its history handled in a compact form and its
+                # torch.optim.LBFGS's iteration (tests/attacks/test_lbfgs.py), its history handled in a compact form and its
                 # bookkeeping in Python numbers: a third of the cost per iteration of torch's (docs/attacks.md)
                 opt = LBFGS(variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter)
 

@@ -66,7 +66,7 @@ over a batch of B samples with features h_i before the classifier, the gradient 
   Over an epoch the bias row of the mean local gradient is mean_t pbar^(t) - n_c / n,
   so the same rule estimates the shares of the client's whole training split. Every proportion is an
   estimate: the report says how each was made (notes ``rule`` and ``proportions``); the known-answer
-  tests (tests/test_label_inference.py) measure it.
+  tests (tests/attacks/test_label_inference.py) measure it.
 """
 
 from __future__ import annotations

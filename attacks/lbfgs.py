@@ -23,7 +23,7 @@ matrix, but the compact form is a handful of batched matrix products and two tri
 iteration whatever the history length, where the recursion is 2 x ``history_size`` sequential
 vector operations. Each problem has its own ring of ``history_size`` slots; a slot not yet filled
 holds a zero pair, which contributes nothing. The iterates are ``torch.optim.LBFGS``'s up to
-floating-point rounding (``tests/test_lbfgs.py`` compares them in float64, history truncation and
+floating-point rounding (``tests/attacks/test_lbfgs.py`` compares them in float64, history truncation and
 early stops included). :class:`LBFGS` is the same iteration for one problem (``leak()``, one target at
 a time), with its bookkeeping in Python numbers.
 """
@@ -240,7 +240,7 @@ class LBFGS(_Iteration):
     ring's slot and count, the step length and the stopping tests are Python numbers (each test reads one
     number off a tensor, as ``torch.optim.LBFGS`` does), and the compact form is solved on the filled slots
     only, gathered in chronological order: 0.24-0.27 ms per iteration against 0.52-0.60 ms for
-    :class:`LockstepLBFGS` with one problem (``python -m experiments.bench.lbfgs``). ``tests/test_lbfgs.py``
+    :class:`LockstepLBFGS` with one problem (``python -m experiments.bench.lbfgs``). ``tests/attacks/test_lbfgs.py``
     checks both classes against ``torch.optim.LBFGS``.
 
     The closure takes no argument, leaves each variable's gradient in ``.grad`` (``None`` reads as zero;

@@ -8,7 +8,7 @@ from 1e-4 to 1e3 and a small quartic term) whose gradient costs a few microsecon
 of DLG's LeNet setting (a 3 x 32 x 32 image and 100 label logits: 3,172), so the history fills and
 every step runs its 20 iterations. All three start from the same point with DLG's settings (lr 1,
 max_iter 20, history 100, no line search); their final iterates differ by rounding grown over the
-800 iterations of an ill-conditioned valley (printed; ``tests/test_lbfgs.py`` checks the iterations
+800 iterations of an ill-conditioned valley (printed; ``tests/attacks/test_lbfgs.py`` checks the iterations
 agree in float64).
 
     python -m experiments.bench.lbfgs [--steps 40] [--repeats 3]

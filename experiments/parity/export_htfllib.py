@@ -172,7 +172,7 @@ def from_train_args(argv: Sequence[str]) -> Export:
             values.setdefault(key, value)
     cfg = build_config(values, method_cls.Options)
 
-    # the engine's own steps (tests/test_parity.py checks the result against a run)
+    # the engine's own steps (tests/experiments/test_parity.py checks the result against a run)
     dataset = load_dataset(cfg.dataset, cfg.data_root, cfg.download)
     images, labels, _ = subsample(dataset, cfg)
     split = client_split(labels, cfg)

@@ -18,7 +18,7 @@ added; the safetensors length prefix and header; the IDX magic and dimensions; t
 
 Per reader it prints inputs tried, accepted, one-line errors, tracebacks (any other exception, an invalid object
 or a multi-line PrivflError; the first 3 distinct ones are shown) and hangs (over ``--timeout`` seconds), then
-``fuzz: N inputs, T tracebacks, H hangs``. The same ``--seed`` gives the same inputs. tests/test_fuzz.py drives
+``fuzz: N inputs, T tracebacks, H hangs``. The same ``--seed`` gives the same inputs. tests/capture/test_fuzz.py drives
 the same readers and mutations from hypothesis.
 """
 

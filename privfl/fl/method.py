@@ -286,7 +286,7 @@ class FLMethod:
     #: only under the client's own key, and draw randomness only from seeded generators: the in-process
     #: engine may then run ``--client-workers`` clients at once in threads (:mod:`privfl.fl.parallel`),
     #: with the same numbers and capture. Off by default, and not inherited (:meth:`clients_in_parallel`):
-    #: each built-in method declares it once ``tests/test_client_workers.py`` shows it gives the same run
+    #: each built-in method declares it once ``tests/engine/test_client_workers.py`` shows it gives the same run
     #: with 1 and 2 workers.
     parallel_clients: ClassVar[bool] = False
 

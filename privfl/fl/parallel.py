@@ -10,7 +10,7 @@ share of a step).
 A run's numbers depend on the thread count each client computes with (torch splits a convolution's sums
 by it), not on how many clients compute at once: with ``W`` workers on ``T`` threads each client computes
 on ``T // W`` threads and the server on ``T``, and the run is bit for bit the one with those thread counts
-one client at a time (``tests/test_client_workers.py`` compares 2 workers with 1 at one thread), since:
+one client at a time (``tests/engine/test_client_workers.py`` compares 2 workers with 1 at one thread), since:
 
 - everything that leaves a client (sends, the capture, ground truth) happens in the main thread, in
   the order of selection, after that client's work: the capture files are the same;
